@@ -1,0 +1,41 @@
+"""ckpt agent: capture, store and bit-exactly restore the six layers of a training run.
+
+    from agent import Checkpointer, ResumableSampler, PerSampleRNG
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from agent.checkpointer import Checkpointer, ResumeResult, SaveResult
+from agent.counters import Counters
+from agent.data import PerSampleRNG, ResumableSampler
+from agent.errors import (
+    BundleFormatError,
+    CkptError,
+    CorruptBundleError,
+    IncompatibleBundleError,
+    StoreError,
+    UnrepresentableStateError,
+)
+from service.contract import Layer
+
+try:
+    __version__ = version("ckpt")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "BundleFormatError",
+    "Checkpointer",
+    "CkptError",
+    "CorruptBundleError",
+    "Counters",
+    "IncompatibleBundleError",
+    "Layer",
+    "PerSampleRNG",
+    "ResumableSampler",
+    "ResumeResult",
+    "SaveResult",
+    "StoreError",
+    "UnrepresentableStateError",
+    "__version__",
+]

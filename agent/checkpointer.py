@@ -1,0 +1,278 @@
+"""The Checkpointer: the training loop's one handle on ckpt."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from agent import layers
+from agent.bundle import LayerState, WriteStats, bundle_name, commit_bundle, latest_manifest, read_layer, upload_layer
+from agent.config import Config
+from agent.counters import Counters
+from agent.errors import IncompatibleBundleError
+from agent.format import skeleton
+from agent.layers import Stateful, TrainingObjects
+from agent.policy import Position, SavePolicy
+from agent.storage import ObjectStore, open_store
+from service.contract import RESTORE_ORDER, Layer, Manifest
+
+log = logging.getLogger("ckpt")
+
+T = TypeVar("T")
+
+_CAPTURE: dict[Layer, Callable[[TrainingObjects], layers.State]] = {
+    Layer.WEIGHTS: layers.capture_weights,
+    Layer.OPTIMIZER: layers.capture_optimizer,
+    Layer.SCHEDULER: layers.capture_scheduler,
+    Layer.RNG: layers.capture_rng,
+    Layer.DATA: layers.capture_data,
+    Layer.COUNTERS: layers.capture_counters,
+}
+_RESTORE: dict[Layer, Callable[[TrainingObjects, layers.State], None]] = {
+    Layer.WEIGHTS: layers.restore_weights,
+    Layer.OPTIMIZER: layers.restore_optimizer,
+    Layer.SCHEDULER: layers.restore_scheduler,
+    Layer.RNG: layers.restore_rng,
+    Layer.DATA: layers.restore_data,
+    Layer.COUNTERS: layers.restore_counters,
+}
+# Capturing other objects' state can consume randomness, so the rng layer goes first.
+_CAPTURE_ORDER = (Layer.RNG, *(layer for layer in RESTORE_ORDER if layer is not Layer.RNG))
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """What ``resume`` did: ``bundle`` is None on a fresh start."""
+
+    bundle: str | None
+    step: int | None
+    layers: tuple[Layer, ...]
+
+    @property
+    def resumed(self) -> bool:
+        return self.bundle is not None
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one ``save`` wrote."""
+
+    bundle: str
+    step: int
+    payload_bytes: int
+    new_bytes: int
+    seconds: float
+
+
+def _named(objects: T | Iterable[T] | Mapping[str, T] | None, kind: type[Any]) -> dict[str, T]:
+    if objects is None:
+        return {}
+    if isinstance(objects, Mapping):
+        return {str(name): value for name, value in objects.items()}
+    if isinstance(objects, kind) or not isinstance(objects, Iterable):
+        return {"0": objects}  # type: ignore[dict-item]
+    return {str(i): value for i, value in enumerate(objects)}
+
+
+class Checkpointer:
+    """Captures all six layers of a training run and resumes it bit-exactly.
+
+    Configure by keyword or by ``CKPT_*`` environment variable (see ``agent.config.Config``);
+    a keyword wins. Objects may be given singly, as a list, or as a ``{name: object}`` dict;
+    names must stay the same across restarts.
+
+    Args:
+        run: the run's name (``CKPT_RUN``); every attempt of the run uses the same one.
+        models: the model(s): parameters and buffers, plus ``.grad`` mid-accumulation.
+        optimizers: optimizer(s); parameters they own that no model has (fp32 master
+            copies) are saved with the weights.
+        schedulers: LR scheduler(s), or anything with ``state_dict``/``load_state_dict``.
+        data: what the loop iterates: a ``DataLoader`` with ``ResumableSampler``, a torchdata
+            ``StatefulDataLoader``, or any stateful object.
+        scaler: an AMP ``GradScaler``.
+        extras: other stateful objects (an EMA...), saved with the weights.
+        generators: ``torch.Generator`` / ``numpy.random.Generator`` objects to capture
+            with the global RNGs.
+        store, server, token, every_steps, every_seconds, blob_bytes: see ``Config``.
+
+    Raises:
+        ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
+    """
+
+    def __init__(
+        self,
+        *,
+        run: str | None = None,
+        models: nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer] | None = None,
+        schedulers: Stateful | Iterable[Stateful] | Mapping[str, Stateful] | None = None,
+        data: object | None = None,
+        scaler: Stateful | None = None,
+        extras: Mapping[str, Stateful] | None = None,
+        generators: Mapping[str, torch.Generator | np.random.Generator] | None = None,
+        store: str | ObjectStore | None = None,
+        server: str | None = None,
+        token: str | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        blob_bytes: int | None = None,
+    ) -> None:
+        store_url = store if isinstance(store, str) or store is None else store.url
+        self.config = Config.resolve(
+            {
+                "run": run,
+                "store": store_url,
+                "server": server,
+                "token": token,
+                "every_steps": every_steps,
+                "every_seconds": every_seconds,
+                "blob_bytes": blob_bytes,
+            }
+        )
+        self.store: ObjectStore = store if store is not None and not isinstance(store, str) else open_store(self.config.store)
+        self.policy = SavePolicy(every_steps=self.config.every_steps, every_seconds=self.config.every_seconds)
+        self.objects = TrainingObjects(
+            models=_named(models, nn.Module),
+            optimizers=_named(optimizers, torch.optim.Optimizer),
+            schedulers=_named(schedulers, object),
+            scaler=scaler,
+            data=layers.data_source(data) if data is not None else None,
+            extras=dict(extras or {}),
+            generators=dict(generators or {}),
+        )
+        if not self.objects.models:
+            raise ValueError("pass at least one model: Checkpointer(models=model, ...)")
+        self.rank = 0
+        self.world_size = 1
+        self._last_saved: Position | None = None
+        self._last_save_time = time.monotonic()
+        self._resumed_mid_epoch = False
+
+    @property
+    def counters(self) -> Counters:
+        """The live counters; the loop reads and advances them."""
+        return self.objects.counters
+
+    def _position(self) -> Position:
+        return Position(step=self.counters.step, micro_step=self.counters.micro_step)
+
+    def resume(self, *, layers: Iterable[Layer | str] = RESTORE_ORDER) -> ResumeResult:
+        """Restore the latest resumable bundle of the run, or report a fresh start.
+
+        Layers are restored in the fixed order weights, optimizer, scheduler, rng, data,
+        counters. Restoring only some (``layers=["weights"]`` to warm-start) is allowed but is
+        not a bit-exact resume.
+
+        Returns:
+            Which bundle was restored (``bundle=None`` when there was none).
+
+        Raises:
+            CorruptBundleError: a blob does not match its manifest; nothing is silently skipped.
+            IncompatibleBundleError: the bundle does not fit these objects.
+            BundleFormatError: the bundle is malformed.
+        """
+        wanted = {Layer(layer) for layer in layers}
+        manifest = latest_manifest(self.store, self.config.run)
+        if manifest is None:
+            log.info("run %s: no resumable bundle in %s; starting fresh", self.config.run, self.store.url)
+            return ResumeResult(bundle=None, step=None, layers=())
+        self._check_compatible(manifest)
+        restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
+        for layer in restored:
+            skeleton_json, tensors = read_layer(self.store, manifest, rank=self.rank, layer=layer)
+            _RESTORE[layer](self.objects, skeleton.decode(skeleton_json, tensors))
+        self._last_saved = self._position()
+        self._last_save_time = time.monotonic()
+        self._resumed_mid_epoch = self.counters.batch > 0
+        name = bundle_name(manifest)
+        log.info("run %s: resumed from %s (step %d, layers %s)", self.config.run, name, manifest.step, [str(x) for x in restored])
+        return ResumeResult(bundle=name, step=manifest.step, layers=restored)
+
+    def _check_compatible(self, manifest: Manifest) -> None:
+        if manifest.world_size != self.world_size:
+            raise IncompatibleBundleError(
+                f"bundle {bundle_name(manifest)} was saved by {manifest.world_size} ranks; "
+                f"this job has {self.world_size}"
+            )
+        if manifest.versions.torch != torch.__version__:
+            log.warning(
+                "bundle %s was saved with torch %s, this process runs %s: kernels may differ, so "
+                "the resumed run may not be bit-exact",
+                bundle_name(manifest),
+                manifest.versions.torch,
+                torch.__version__,
+            )
+
+    def batches(self) -> Iterator[Any]:
+        """Iterate the rest of the current epoch of ``data``, then advance the epoch.
+
+        Starts where the run stopped (the restored position), counts each batch handed
+        out as consumed, and leaves the random streams exactly as the uninterrupted run
+        would. Call ``maybe_save`` at the end of the loop body, after the batch is used.
+        """
+        source = self.objects.data
+        if source is None:
+            raise ValueError("batches() needs data=: pass the loader to the Checkpointer")
+        counters = self.counters
+        source.begin_epoch(counters.epoch)
+        resuming, self._resumed_mid_epoch = self._resumed_mid_epoch, False
+        for batch in source.batches(resuming_mid_epoch=resuming):
+            counters.batch += 1
+            source.consumed()
+            yield batch
+        counters.epoch += 1
+        counters.batch = 0
+
+    def maybe_save(self) -> SaveResult | None:
+        """Save if the policy says so at the current position; call once per micro-batch."""
+        seconds = time.monotonic() - self._last_save_time
+        if not self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds):
+            return None
+        return self.save()
+
+    def save(self) -> SaveResult:
+        """Write a bundle of the current state now and return when it is durable.
+
+        Raises:
+            UnrepresentableStateError: a state value has no safe representation (names its key path).
+            StoreError: the store failed; no manifest was written, so no bundle exists.
+        """
+        started = time.perf_counter()
+        states = self._capture()
+        stats = WriteStats()
+        records = {
+            layer: upload_layer(self.store, state, blob_bytes=self.config.blob_bytes, stats=stats)
+            for layer, state in states.items()
+        }
+        manifest = commit_bundle(
+            self.store, run=self.config.run, step=self.counters.step, world_size=self.world_size, ranks={self.rank: records}
+        )
+        self._last_saved = self._position()
+        self._last_save_time = time.monotonic()
+        result = SaveResult(
+            bundle=bundle_name(manifest),
+            step=manifest.step,
+            payload_bytes=stats.payload_bytes,
+            new_bytes=stats.new_bytes,
+            seconds=time.perf_counter() - started,
+        )
+        log.info(
+            "run %s: saved %s (%d bytes, %d new) in %.3f s",
+            self.config.run, result.bundle, result.payload_bytes, result.new_bytes, result.seconds,
+        )
+        return result
+
+    def _capture(self) -> dict[Layer, LayerState]:
+        states: dict[Layer, LayerState] = {}
+        for layer in _CAPTURE_ORDER:
+            state = _CAPTURE[layer](self.objects)
+            encoded, tensors = skeleton.encode(state, root=(str(layer),))
+            states[layer] = LayerState(encoded, {name: t.detach().cpu() for name, t in tensors.items()})
+        return {layer: states[layer] for layer in RESTORE_ORDER}

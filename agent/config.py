@@ -1,0 +1,93 @@
+"""Checkpointer configuration from keyword arguments and ``CKPT_*`` environment variables.
+
+A keyword argument wins over the environment; the environment wins over the default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from agent.format.chunking import DEFAULT_BLOB_BYTES
+from agent.storage.keys import check_run_name
+
+DEFAULT_STORE = ".ckpt/store"
+
+ENV = {
+    "run": "CKPT_RUN",
+    "store": "CKPT_STORE",
+    "server": "CKPT_SERVER",
+    "token": "CKPT_TOKEN",
+    "every_steps": "CKPT_EVERY_STEPS",
+    "every_seconds": "CKPT_EVERY_SECONDS",
+    "blob_bytes": "CKPT_BLOB_BYTES",
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings of one checkpointer.
+
+    Attributes:
+        run: the run's name, shared by every attempt of it (``CKPT_RUN``).
+        store: where bundles go: a directory or ``file://`` URL (``CKPT_STORE``,
+            default ``./.ckpt/store``).
+        server: the control plane's URL (``CKPT_SERVER``); unset means store-only.
+        token: the bearer token for the control plane (``CKPT_TOKEN``).
+        every_steps: save when the optimizer step reaches a multiple of this (``CKPT_EVERY_STEPS``).
+        every_seconds: save when this long has passed since the last save (``CKPT_EVERY_SECONDS``).
+        blob_bytes: the largest blob a payload is cut into (``CKPT_BLOB_BYTES``, default 64 MiB).
+    """
+
+    run: str
+    store: str = DEFAULT_STORE
+    server: str | None = None
+    token: str | None = None
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    blob_bytes: int = DEFAULT_BLOB_BYTES
+
+    def __post_init__(self) -> None:
+        check_run_name(self.run)
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"every_steps must be at least 1, got {self.every_steps}")
+        if self.every_seconds is not None and not (self.every_seconds > 0 and math.isfinite(self.every_seconds)):
+            raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
+        if self.blob_bytes < 1 << 20:
+            raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
+        if self.server is not None and urlparse(self.server).scheme not in ("http", "https"):
+            raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
+        if self.server is not None:
+            raise ValueError(
+                f"a control plane ({self.server}) is configured, but this version of the agent "
+                "works store-only; unset CKPT_SERVER / server="
+            )
+
+    @classmethod
+    def resolve(cls, overrides: Mapping[str, object], env: Mapping[str, str] | None = None) -> Config:
+        """Merge keyword ``overrides`` (None means unset) over ``CKPT_*`` variables."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for name, variable in ENV.items():
+            value = overrides.get(name)
+            if value is None and env.get(variable):
+                value = _parse(name, variable, env[variable])
+            if value is not None:
+                values[name] = value
+        if "run" not in values:
+            raise ValueError("name the run: Checkpointer(run=...) or CKPT_RUN")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(name: str, variable: str, text: str) -> object:
+    try:
+        if name in ("every_steps", "blob_bytes"):
+            return int(text)
+        if name == "every_seconds":
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{variable}={text!r} is not a number") from None
+    return text

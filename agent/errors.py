@@ -1,0 +1,42 @@
+"""Errors raised by the ckpt agent.
+
+    CkptError                   -- catch this to handle anything the agent raises on purpose
+    ├── UnrepresentableStateError  save: a state value has no safe representation (names its key path)
+    ├── BundleFormatError          restore: a payload or manifest is malformed or uses an unknown tag
+    ├── CorruptBundleError         restore: a blob is missing, has the wrong size or the wrong SHA-256
+    ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
+    └── StoreError                 the object store failed to read or write a key
+
+Bad configuration raises ``ValueError`` at construction, with what to change.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base class of every error the agent raises on purpose."""
+
+
+class UnrepresentableStateError(CkptError, TypeError):
+    """A value in a state dict cannot be stored without pickle."""
+
+
+class BundleFormatError(CkptError):
+    """A manifest or payload is malformed, or carries something the format does not allow."""
+
+
+class CorruptBundleError(CkptError):
+    """A blob of a bundle is missing or does not match the size and hash its manifest records."""
+
+    def __init__(self, message: str, *, bundle: str, blob: str) -> None:
+        super().__init__(message)
+        self.bundle = bundle
+        self.blob = blob
+
+
+class IncompatibleBundleError(CkptError):
+    """The bundle cannot be restored into these objects (other model, world size, devices)."""
+
+
+class StoreError(CkptError):
+    """The object store could not read or write a key."""

@@ -1,0 +1,179 @@
+"""Safetensors-compatible payloads: one per (rank, layer).
+
+Layout (the safetensors format, so ``safetensors.safe_open`` reads any payload)::
+
+    u64 little-endian N | N bytes of JSON header, space-padded to 8 | tensor data
+
+The header maps tensor names to dtype, shape and ``data_offsets`` (relative to the data
+section) and carries ``__metadata__`` with the layer's JSON skeleton. Writing never builds
+the payload as one bytes object: ``PayloadLayout.pieces`` yields zero-copy views of the
+header and of each tensor's bytes, for any byte range.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from agent.errors import BundleFormatError, UnrepresentableStateError
+from agent.format.skeleton import JSON
+from service.contract import TensorEntry
+
+SKELETON_KEY = "ckpt.skeleton"
+_LENGTH = struct.Struct("<Q")
+_MAX_HEADER_BYTES = 1 << 30
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    flat = tensor.reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Where every byte of a payload comes from; built without copying tensor data."""
+
+    header: bytes
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    index: dict[str, TensorEntry]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + self.data_size
+
+    @property
+    def data_size(self) -> int:
+        return max((entry.data_offsets[1] for entry in self.index.values()), default=0)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Absolute byte ranges: the header, then each tensor in payload order."""
+        base = len(self.header)
+        ranges = [(0, base)]
+        for name, _ in self.tensors:
+            begin, end = self.index[name].data_offsets
+            ranges.append((base + begin, base + end))
+        return ranges
+
+    def pieces(self, start: int, end: int) -> Iterator[memoryview]:
+        """Zero-copy views that together are bytes ``[start, end)`` of the payload."""
+        views = [memoryview(self.header), *(tensor_bytes(t) for _, t in self.tensors)]
+        for (begin, stop), view in zip(self.spans(), views, strict=True):
+            lo, hi = max(start, begin), min(end, stop)
+            if lo < hi:
+                yield view[lo - begin : hi - begin]
+
+
+def layout(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> PayloadLayout:
+    """Plan a payload for CPU tensors (made contiguous here if they are not).
+
+    Raises:
+        UnrepresentableStateError: a tensor's dtype has no safetensors code.
+    """
+    index: dict[str, TensorEntry] = {}
+    ordered: list[tuple[str, torch.Tensor]] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        code = DTYPES.get(tensor.dtype)
+        if code is None:
+            raise UnrepresentableStateError(f"{name}: dtype {tensor.dtype} cannot be stored")
+        contiguous = tensor.detach().contiguous()
+        nbytes = contiguous.numel() * contiguous.element_size()
+        index[name] = TensorEntry(
+            dtype=code, shape=tuple(contiguous.shape), data_offsets=(offset, offset + nbytes)
+        )
+        ordered.append((name, contiguous))
+        offset += nbytes
+    header_json: dict[str, object] = {
+        "__metadata__": {SKELETON_KEY: json.dumps(skeleton, separators=(",", ":"), allow_nan=False)},
+        **{name: entry.model_dump(mode="json") for name, entry in index.items()},
+    }
+    encoded = json.dumps(header_json, separators=(",", ":")).encode()
+    encoded += b" " * (-(len(encoded) + _LENGTH.size) % 8)
+    return PayloadLayout(_LENGTH.pack(len(encoded)) + encoded, tuple(ordered), index)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed payload header."""
+
+    size: int
+    skeleton: JSON
+    index: dict[str, TensorEntry]
+
+
+def parse_header(payload: memoryview) -> Header:
+    """Parse and validate a payload header without trusting any offset in it.
+
+    Raises:
+        BundleFormatError: malformed length, JSON, dtype, shape or offsets.
+    """
+    if len(payload) < _LENGTH.size:
+        raise BundleFormatError("payload is shorter than its length prefix")
+    (length,) = _LENGTH.unpack(payload[: _LENGTH.size])
+    size = _LENGTH.size + length
+    if length > _MAX_HEADER_BYTES or size > len(payload):
+        raise BundleFormatError(f"payload header claims {length} bytes; the payload has {len(payload)}")
+    try:
+        raw = json.loads(bytes(payload[_LENGTH.size : size]))
+        metadata = raw.pop("__metadata__")
+        skeleton = json.loads(metadata[SKELETON_KEY])
+        index = {name: TensorEntry.model_validate(entry) for name, entry in raw.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise BundleFormatError(f"payload header is not a ckpt header: {err}") from err
+    _check_offsets(index, data_size=len(payload) - size)
+    return Header(size=size, skeleton=skeleton, index=index)
+
+
+def _check_offsets(index: Mapping[str, TensorEntry], *, data_size: int) -> None:
+    cursor = 0
+    for name, entry in sorted(index.items(), key=lambda item: item[1].data_offsets):
+        if entry.dtype not in _TORCH_DTYPES:
+            raise BundleFormatError(f"tensor {name!r} has unknown dtype {entry.dtype!r}")
+        begin, end = entry.data_offsets
+        itemsize = _TORCH_DTYPES[entry.dtype].itemsize
+        numel = 1
+        for dim in entry.shape:
+            numel *= dim
+        if begin != cursor or end - begin != numel * itemsize or min(entry.shape, default=0) < 0:
+            raise BundleFormatError(f"tensor {name!r} has inconsistent offsets {entry.data_offsets}")
+        cursor = end
+    if cursor != data_size:
+        raise BundleFormatError(f"tensor data covers {cursor} bytes; the payload holds {data_size}")
+
+
+def read_tensors(payload: bytearray, header: Header) -> dict[str, torch.Tensor]:
+    """Views into ``payload`` for every tensor the header lists (no copies)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in header.index.items():
+        dtype = _TORCH_DTYPES[entry.dtype]
+        begin, end = entry.data_offsets
+        if end == begin:
+            tensors[name] = torch.empty(entry.shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(payload, dtype=torch.uint8, count=end - begin, offset=header.size + begin)
+        tensors[name] = raw.view(dtype).reshape(entry.shape)
+    return tensors

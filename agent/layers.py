@@ -1,0 +1,349 @@
+"""Capture and restore of each of the six layers, given the training objects.
+
+Each ``capture_*`` returns a plain state object (dicts, lists, tensors, numbers) that the
+format turns into a payload; each ``restore_*`` puts such an object back. Capture returns
+live references: the caller must not let training mutate them before they are written.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+
+from agent.counters import Counters
+from agent.data import ResumableSampler
+from agent.errors import IncompatibleBundleError
+
+State = dict[str, Any]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """The two-method contract ckpt asks of user objects."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+Generator = torch.Generator | np.random.Generator
+
+
+@dataclass
+class TrainingObjects:
+    """Everything a training step mutates, by name."""
+
+    models: dict[str, nn.Module]
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    schedulers: dict[str, Stateful] = field(default_factory=dict)
+    scaler: Stateful | None = None
+    data: DataSource | None = None
+    extras: dict[str, Stateful] = field(default_factory=dict)
+    generators: dict[str, Generator] = field(default_factory=dict)
+    counters: Counters = field(default_factory=Counters)
+
+
+# -- weights ----------------------------------------------------------------------------
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters in the order ``Optimizer.state_dict`` numbers them."""
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _masters(objects: TrainingObjects) -> dict[str, dict[int, torch.Tensor]]:
+    """Optimizer parameters that belong to no model: fp32 master copies kept by training."""
+    in_models = {id(p) for model in objects.models.values() for p in model.parameters()}
+    return {
+        name: {i: p for i, p in enumerate(_optimizer_params(opt)) if id(p) not in in_models}
+        for name, opt in objects.optimizers.items()
+    }
+
+
+def capture_weights(objects: TrainingObjects) -> State:
+    masters = _masters(objects)
+    state: State = {
+        "models": {name: model.state_dict() for name, model in objects.models.items()},
+        "masters": {name: {i: p.detach() for i, p in params.items()} for name, params in masters.items()},
+        "extras": {name: extra.state_dict() for name, extra in objects.extras.items()},
+        "grads": None,
+    }
+    if objects.counters.micro_step != 0:  # mid-accumulation: the partial sums are state too
+        state["grads"] = {
+            "models": {
+                name: {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+                for name, model in objects.models.items()
+            },
+            "masters": {
+                name: {i: p.grad for i, p in params.items() if p.grad is not None}
+                for name, params in masters.items()
+            },
+        }
+    return state
+
+
+def restore_weights(objects: TrainingObjects, state: State) -> None:
+    _same_names("models", objects.models, state["models"])
+    for name, model in objects.models.items():
+        model.load_state_dict(state["models"][name], strict=True)
+    masters = _masters(objects)
+    _same_names("fp32 master weights of optimizers", masters, state["masters"])
+    with torch.no_grad():
+        for name, params in masters.items():
+            _same_names(f"master weights of optimizer {name!r}", params, state["masters"][name])
+            for i, param in params.items():
+                param.copy_(state["masters"][name][i])
+    _same_names("extras", objects.extras, state["extras"])
+    for name, extra in objects.extras.items():
+        extra.load_state_dict(state["extras"][name])
+    if state["grads"] is not None:
+        _restore_grads(objects, masters, state["grads"])
+
+
+def _restore_grads(
+    objects: TrainingObjects, masters: Mapping[str, Mapping[int, torch.Tensor]], grads: State
+) -> None:
+    for name, model in objects.models.items():
+        params = dict(model.named_parameters())
+        for param_name, grad in grads["models"][name].items():
+            _set_grad(params[param_name], grad)
+    for name, params_by_index in masters.items():
+        for i, grad in grads["masters"][name].items():
+            _set_grad(params_by_index[i], grad)
+
+
+def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = grad.to(device=param.device, dtype=param.dtype, copy=True)
+    else:
+        param.grad.copy_(grad)
+
+
+# -- optimizer, scheduler ----------------------------------------------------------------
+
+
+def capture_optimizer(objects: TrainingObjects) -> State:
+    return {
+        "optimizers": {name: opt.state_dict() for name, opt in objects.optimizers.items()},
+        "scaler": objects.scaler.state_dict() if objects.scaler is not None else None,
+    }
+
+
+def restore_optimizer(objects: TrainingObjects, state: State) -> None:
+    _same_names("optimizers", objects.optimizers, state["optimizers"])
+    for name, optimizer in objects.optimizers.items():
+        optimizer.load_state_dict(state["optimizers"][name])
+    if (objects.scaler is None) != (state["scaler"] is None):
+        raise IncompatibleBundleError(
+            "the bundle was saved with" + ("out" if state["scaler"] is None else "")
+            + " a GradScaler; pass the same scaler= to resume it"
+        )
+    if objects.scaler is not None:
+        objects.scaler.load_state_dict(state["scaler"])
+
+
+def capture_scheduler(objects: TrainingObjects) -> State:
+    return {name: scheduler.state_dict() for name, scheduler in objects.schedulers.items()}
+
+
+def restore_scheduler(objects: TrainingObjects, state: State) -> None:
+    _same_names("schedulers", objects.schedulers, state)
+    for name, scheduler in objects.schedulers.items():
+        scheduler.load_state_dict(state[name])
+
+
+# -- rng ---------------------------------------------------------------------------------
+
+
+def capture_rng(objects: TrainingObjects) -> State:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=False),
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+        "generators": {name: _generator_state(g) for name, g in objects.generators.items()},
+    }
+
+
+def _generator_state(generator: Generator) -> State:
+    if isinstance(generator, torch.Generator):
+        return {"torch": generator.get_state()}
+    return {"numpy": generator.bit_generator.state}
+
+
+def restore_rng(objects: TrainingObjects, state: State) -> None:
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if len(state["cuda"]) != devices:
+        raise IncompatibleBundleError(
+            f"the bundle holds RNG state for {len(state['cuda'])} CUDA devices; this process "
+            f"sees {devices}: a bit-exact resume needs the same devices"
+        )
+    _same_names("registered generators", objects.generators, state["generators"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].clone())
+    if devices:
+        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
+    for name, generator in objects.generators.items():
+        saved = state["generators"][name]
+        if isinstance(generator, torch.Generator):
+            generator.set_state(saved["torch"].clone())
+        else:
+            generator.bit_generator.state = saved["numpy"]
+
+
+# -- data --------------------------------------------------------------------------------
+
+
+class DataSource(Protocol):
+    """How the checkpointer drives and captures one kind of data pipeline."""
+
+    def begin_epoch(self, epoch: int) -> None: ...
+
+    def batches(self, *, resuming_mid_epoch: bool) -> Iterator[Any]: ...
+
+    def consumed(self) -> None: ...
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def _set_epoch(target: object, epoch: int) -> None:
+    set_epoch = getattr(target, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
+def _iterate_loader(loader: DataLoader[Any], *, resuming_mid_epoch: bool) -> Iterator[Any]:
+    # Creating a DataLoader iterator draws the workers' base seed from loader.generator, or
+    # from the global generator when that is None. The uninterrupted run drew it at the start
+    # of the epoch, so a re-entry in the middle of one must not advance the global generator
+    # that the rng layer just restored. (A loader's own generator belongs to the loader's
+    # state, which restores it as part of the data layer.)
+    saved = torch.get_rng_state() if resuming_mid_epoch and loader.generator is None else None
+    iterator = iter(loader)
+    if saved is not None:
+        torch.set_rng_state(saved)
+    return iterator
+
+
+class SamplerLoader:
+    """A plain ``DataLoader`` shuffling through a ``ResumableSampler``."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        if not isinstance(loader.sampler, ResumableSampler) or loader.batch_size is None:
+            raise ValueError(
+                "a plain DataLoader resumes only through ckpt's sampler: "
+                "DataLoader(dataset, batch_size=..., sampler=ResumableSampler(dataset, seed=...)); "
+                "or use torchdata's StatefulDataLoader"
+            )
+        self.loader = loader
+        self.sampler: ResumableSampler = loader.sampler
+        self.batch_size: int = loader.batch_size
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+        _set_epoch(self.loader.dataset, epoch)
+
+    def batches(self, *, resuming_mid_epoch: bool) -> Iterator[Any]:
+        return _iterate_loader(self.loader, resuming_mid_epoch=resuming_mid_epoch)
+
+    def consumed(self) -> None:
+        self.sampler.advance(self.batch_size)
+
+    def state_dict(self) -> Any:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+class StatefulSource:
+    """Any iterable (or not) with ``state_dict``/``load_state_dict``: a ``StatefulDataLoader``,
+    a user's stream. Its own state says which batch comes next."""
+
+    def __init__(self, source: Stateful) -> None:
+        sampler = getattr(source, "sampler", None)
+        if isinstance(sampler, RandomSampler) and sampler.generator is None:
+            raise ValueError(
+                "this loader shuffles with a generator drawn from the global RNG at every "
+                "epoch; pass generator=torch.Generator().manual_seed(SEED) to it (or use "
+                "ckpt's ResumableSampler) so a resume does not shift the global random stream"
+            )
+        self.source = source
+
+    def begin_epoch(self, epoch: int) -> None:
+        _set_epoch(getattr(self.source, "sampler", None), epoch)
+        _set_epoch(getattr(self.source, "dataset", self.source), epoch)
+
+    def batches(self, *, resuming_mid_epoch: bool) -> Iterator[Any]:
+        if isinstance(self.source, DataLoader):
+            return _iterate_loader(self.source, resuming_mid_epoch=resuming_mid_epoch)
+        if not isinstance(self.source, Iterable):
+            raise TypeError(f"{type(self.source).__name__} is not iterable; iterate it yourself")
+        return iter(self.source)
+
+    def consumed(self) -> None:
+        return None
+
+    def state_dict(self) -> Any:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.source.load_state_dict(state)
+
+
+def data_source(data: object) -> DataSource:
+    """The adapter for what the loop iterates.
+
+    Raises:
+        ValueError: a loader that cannot resume, with what to change.
+        TypeError: an object with no state to capture.
+    """
+    if isinstance(data, DataLoader) and not isinstance(data, Stateful):
+        return SamplerLoader(data)
+    if isinstance(data, Stateful):
+        return StatefulSource(data)
+    raise TypeError(
+        f"data={type(data).__name__} has no state_dict()/load_state_dict(); pass a DataLoader "
+        "with ckpt's ResumableSampler, a torchdata StatefulDataLoader, or a stateful object"
+    )
+
+
+def capture_data(objects: TrainingObjects) -> State:
+    return {"source": objects.data.state_dict() if objects.data is not None else None}
+
+
+def restore_data(objects: TrainingObjects, state: State) -> None:
+    if (objects.data is None) != (state["source"] is None):
+        raise IncompatibleBundleError("the bundle's data layer does not match data= (one is absent)")
+    if objects.data is not None:
+        objects.data.load_state_dict(state["source"])
+
+
+# -- counters ----------------------------------------------------------------------------
+
+
+def capture_counters(objects: TrainingObjects) -> State:
+    return objects.counters.to_state()
+
+
+def restore_counters(objects: TrainingObjects, state: State) -> None:
+    objects.counters.load_state(state)
+
+
+def _same_names(what: str, have: Mapping[Any, Any], saved: Mapping[Any, Any]) -> None:
+    if set(have) != set(saved):
+        raise IncompatibleBundleError(
+            f"{what}: the bundle holds {sorted(map(str, saved))}, this process has "
+            f"{sorted(map(str, have))}; pass the same objects under the same names"
+        )

@@ -1,0 +1,91 @@
+"""The directory object store: the embedded default and the reference implementation."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from agent.errors import StoreError
+
+
+class DirectoryStore:
+    """Objects as files under a root directory.
+
+    ``put`` writes a temporary file in the target directory, fsyncs it, renames it over the
+    key and fsyncs the directory, so a crash leaves either the old object or the new one.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).absolute()
+        self.url = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(part in ("", ".", "..") for part in parts):
+            raise ValueError(f"invalid object key {key!r}")
+        return self.root.joinpath(*parts)
+
+    def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for piece in pieces:
+                    out.write(piece)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"{self.url}: no object {key!r}") from None
+
+    def read_into(self, key: str, buffer: memoryview) -> int:
+        try:
+            with self._path(key).open("rb", buffering=0) as source:
+                size = os.fstat(source.fileno()).st_size
+                if size > len(buffer):
+                    raise StoreError(f"{self.url}: {key!r} holds {size} bytes, expected at most {len(buffer)}")
+                filled = 0
+                while filled < size:
+                    count = source.readinto(buffer[filled:size])
+                    if not count:
+                        raise StoreError(f"{self.url}: {key!r} shrank while being read")
+                    filled += count
+                return size
+        except FileNotFoundError:
+            raise StoreError(f"{self.url}: no object {key!r}") from None
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        keys = (
+            path.relative_to(self.root).as_posix()
+            for path in self.root.rglob("*")
+            if path.is_file() and not path.name.startswith(".")
+        )
+        yield from sorted(key for key in keys if key.startswith(prefix))
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,108 @@
+"""The wire contract shared by the agent and the control plane: the bundle manifest.
+
+Depends on nothing heavier than pydantic, so both a training image (no FastAPI) and the
+control plane (no torch) import it.
+
+A bundle is one checkpoint of a run at one step. For every rank it holds six layers, each
+stored as one safetensors-compatible *payload* that is cut into content-addressed *blobs*.
+The manifest lists all of it and is written last: it is the bundle's commit record.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MANIFEST_FORMAT = "ckpt.bundle/1"
+SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+class Layer(enum.StrEnum):
+    """The six layers of training state, declared in their fixed restore order."""
+
+    WEIGHTS = "weights"
+    OPTIMIZER = "optimizer"
+    SCHEDULER = "scheduler"
+    RNG = "rng"
+    DATA = "data"
+    COUNTERS = "counters"
+
+
+RESTORE_ORDER: tuple[Layer, ...] = tuple(Layer)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class BlobRef(_Frozen):
+    """One content-addressed blob: a byte range of a layer's payload."""
+
+    sha256: Annotated[str, Field(pattern=SHA256_HEX)]
+    size: Annotated[int, Field(ge=0)]
+
+
+class TensorEntry(_Frozen):
+    """Where one tensor lies in its payload's data section (safetensors conventions)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+
+
+class LayerRecord(_Frozen):
+    """One (rank, layer) payload: its blobs in order and its tensor index."""
+
+    payload_bytes: Annotated[int, Field(ge=8)]
+    header_bytes: Annotated[int, Field(ge=0)]
+    blobs: tuple[BlobRef, ...]
+    tensors: dict[str, TensorEntry]
+
+    @model_validator(mode="after")
+    def _blobs_cover_payload(self) -> LayerRecord:
+        total = sum(blob.size for blob in self.blobs)
+        if total != self.payload_bytes:
+            raise ValueError(f"blobs hold {total} bytes but the payload has {self.payload_bytes}")
+        return self
+
+
+class RankRecord(_Frozen):
+    rank: Annotated[int, Field(ge=0)]
+    layers: dict[Layer, LayerRecord]
+
+
+class Versions(_Frozen):
+    ckpt: str
+    python: str
+    torch: str
+
+
+class Manifest(_Frozen):
+    """The commit record of a bundle; a bundle without one does not exist."""
+
+    format: str = MANIFEST_FORMAT
+    run: str
+    step: Annotated[int, Field(ge=0)]
+    world_size: Annotated[int, Field(ge=1)]
+    created_at: str
+    versions: Versions
+    ranks: tuple[RankRecord, ...]
+
+    @model_validator(mode="after")
+    def _known_format(self) -> Manifest:
+        if self.format != MANIFEST_FORMAT:
+            raise ValueError(f"unknown manifest format {self.format!r}; expected {MANIFEST_FORMAT!r}")
+        return self
+
+
+def missing_parts(manifest: Manifest) -> list[tuple[int, Layer]]:
+    """Every (rank, layer) the manifest lacks; empty when the bundle is complete."""
+    present = {(record.rank, layer) for record in manifest.ranks for layer in record.layers}
+    return [
+        (rank, layer)
+        for rank in range(manifest.world_size)
+        for layer in RESTORE_ORDER
+        if (rank, layer) not in present
+    ]
