@@ -1,6 +1,6 @@
 """ckpt agent: capture, store and bit-exactly restore the six layers of a training run.
 
-    from agent import Checkpointer, ResumableSampler, PerSampleRNG
+from agent import Checkpointer, ResumableSampler, PerSampleRNG
 """
 
 from importlib.metadata import PackageNotFoundError, version

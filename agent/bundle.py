@@ -23,7 +23,15 @@ from agent.format import payload
 from agent.format.chunking import plan_blobs
 from agent.format.skeleton import JSON
 from agent.storage import ObjectStore, keys
-from service.contract import BlobRef, Layer, LayerRecord, Manifest, RankRecord, Versions, missing_parts
+from service.contract import (
+    BlobRef,
+    Layer,
+    LayerRecord,
+    Manifest,
+    RankRecord,
+    Versions,
+    missing_parts,
+)
 
 log = logging.getLogger("ckpt.bundle")
 
@@ -54,7 +62,9 @@ def _sha256(pieces: Iterator[memoryview]) -> str:
     return digest.hexdigest()
 
 
-def upload_layer(store: ObjectStore, state: LayerState, *, blob_bytes: int, stats: WriteStats) -> LayerRecord:
+def upload_layer(
+    store: ObjectStore, state: LayerState, *, blob_bytes: int, stats: WriteStats
+) -> LayerRecord:
     """Lay out one payload, hash its blobs and put those the store does not hold yet."""
     plan = payload.layout(state.skeleton, state.tensors)
     blobs: list[BlobRef] = []
@@ -70,12 +80,20 @@ def upload_layer(store: ObjectStore, state: LayerState, *, blob_bytes: int, stat
     stats.payload_bytes += plan.size
     stats.blobs += len(blobs)
     return LayerRecord(
-        payload_bytes=plan.size, header_bytes=len(plan.header), blobs=tuple(blobs), tensors=plan.index
+        payload_bytes=plan.size,
+        header_bytes=len(plan.header),
+        blobs=tuple(blobs),
+        tensors=plan.index,
     )
 
 
 def commit_bundle(
-    store: ObjectStore, *, run: str, step: int, world_size: int, ranks: Mapping[int, Mapping[Layer, LayerRecord]]
+    store: ObjectStore,
+    *,
+    run: str,
+    step: int,
+    world_size: int,
+    ranks: Mapping[int, Mapping[Layer, LayerRecord]],
 ) -> Manifest:
     """Write the manifest, last: from now on the bundle is resumable."""
     manifest = Manifest(
@@ -83,8 +101,12 @@ def commit_bundle(
         step=step,
         world_size=world_size,
         created_at=datetime.now(UTC).isoformat(),
-        versions=Versions(ckpt=agent.__version__, python=platform.python_version(), torch=torch.__version__),
-        ranks=tuple(RankRecord(rank=rank, layers=dict(layers)) for rank, layers in sorted(ranks.items())),
+        versions=Versions(
+            ckpt=agent.__version__, python=platform.python_version(), torch=torch.__version__
+        ),
+        ranks=tuple(
+            RankRecord(rank=rank, layers=dict(layers)) for rank, layers in sorted(ranks.items())
+        ),
     )
     missing = missing_parts(manifest)
     assert not missing, f"refusing to commit an incomplete bundle: {missing}"
@@ -114,8 +136,9 @@ def latest_manifest(store: ObjectStore, run: str) -> Manifest | None:
     Blobs without a manifest (an interrupted save) are not bundles and are ignored; a
     manifest that fails validation is skipped with a warning.
     """
-    manifests = [key for key in store.list_keys(keys.bundles_prefix(run)) if keys.manifest_step(key) is not None]
-    for key in sorted(manifests, key=keys.manifest_step, reverse=True):
+    steps = {key: keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(run))}
+    manifests = {key: step for key, step in steps.items() if step is not None}
+    for key in sorted(manifests, key=manifests.__getitem__, reverse=True):
         try:
             manifest = load_manifest(store, key)
         except BundleFormatError as err:
@@ -128,7 +151,9 @@ def latest_manifest(store: ObjectStore, run: str) -> Manifest | None:
     return None
 
 
-def read_layer(store: ObjectStore, manifest: Manifest, *, rank: int, layer: Layer) -> tuple[JSON, dict[str, torch.Tensor]]:
+def read_layer(
+    store: ObjectStore, manifest: Manifest, *, rank: int, layer: Layer
+) -> tuple[JSON, dict[str, torch.Tensor]]:
     """Download one payload, verify every blob's size and SHA-256, and parse it.
 
     Returns the skeleton and tensors that are views into one buffer (no second copy).
@@ -148,7 +173,11 @@ def read_layer(store: ObjectStore, manifest: Manifest, *, rank: int, layer: Laye
         try:
             size = store.read_into(key, target) if blob.size else 0
         except StoreError as err:
-            raise CorruptBundleError(f"bundle {name}: blob {blob.sha256} of {layer} is unreadable: {err}", bundle=name, blob=blob.sha256) from err
+            raise CorruptBundleError(
+                f"bundle {name}: blob {blob.sha256} of {layer} is unreadable: {err}",
+                bundle=name,
+                blob=blob.sha256,
+            ) from err
         if size != blob.size or hashlib.sha256(target).hexdigest() != blob.sha256:
             raise CorruptBundleError(
                 f"bundle {name}: blob {blob.sha256} of rank {rank} {layer} does not match its "
@@ -159,5 +188,7 @@ def read_layer(store: ObjectStore, manifest: Manifest, *, rank: int, layer: Laye
         offset += blob.size
     header = payload.parse_header(view)
     if header.index != record.tensors:
-        raise BundleFormatError(f"bundle {name}: the {layer} payload's tensor index disagrees with its manifest")
+        raise BundleFormatError(
+            f"bundle {name}: the {layer} payload's tensor index disagrees with its manifest"
+        )
     return header.skeleton, payload.read_tensors(buffer, header)

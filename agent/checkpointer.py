@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from agent import layers
-from agent.bundle import LayerState, WriteStats, bundle_name, commit_bundle, latest_manifest, read_layer, upload_layer
+from agent.bundle import (
+    LayerState,
+    WriteStats,
+    bundle_name,
+    commit_bundle,
+    latest_manifest,
+    read_layer,
+    upload_layer,
+)
 from agent.config import Config
 from agent.counters import Counters
 from agent.errors import IncompatibleBundleError
@@ -77,7 +85,7 @@ def _named(objects: T | Iterable[T] | Mapping[str, T] | None, kind: type[Any]) -
     if isinstance(objects, Mapping):
         return {str(name): value for name, value in objects.items()}
     if isinstance(objects, kind) or not isinstance(objects, Iterable):
-        return {"0": objects}  # type: ignore[dict-item]
+        return {"0": objects}
     return {str(i): value for i, value in enumerate(objects)}
 
 
@@ -111,7 +119,10 @@ class Checkpointer:
         *,
         run: str | None = None,
         models: nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module],
-        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | Mapping[str, torch.optim.Optimizer] | None = None,
+        optimizers: torch.optim.Optimizer
+        | Iterable[torch.optim.Optimizer]
+        | Mapping[str, torch.optim.Optimizer]
+        | None = None,
         schedulers: Stateful | Iterable[Stateful] | Mapping[str, Stateful] | None = None,
         data: object | None = None,
         scaler: Stateful | None = None,
@@ -136,8 +147,14 @@ class Checkpointer:
                 "blob_bytes": blob_bytes,
             }
         )
-        self.store: ObjectStore = store if store is not None and not isinstance(store, str) else open_store(self.config.store)
-        self.policy = SavePolicy(every_steps=self.config.every_steps, every_seconds=self.config.every_seconds)
+        self.store: ObjectStore = (
+            store
+            if store is not None and not isinstance(store, str)
+            else open_store(self.config.store)
+        )
+        self.policy = SavePolicy(
+            every_steps=self.config.every_steps, every_seconds=self.config.every_seconds
+        )
         self.objects = TrainingObjects(
             models=_named(models, nn.Module),
             optimizers=_named(optimizers, torch.optim.Optimizer),
@@ -181,7 +198,9 @@ class Checkpointer:
         wanted = {Layer(layer) for layer in layers}
         manifest = latest_manifest(self.store, self.config.run)
         if manifest is None:
-            log.info("run %s: no resumable bundle in %s; starting fresh", self.config.run, self.store.url)
+            log.info(
+                "run %s: no resumable bundle in %s; starting fresh", self.config.run, self.store.url
+            )
             return ResumeResult(bundle=None, step=None, layers=())
         self._check_compatible(manifest)
         restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
@@ -192,7 +211,13 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self._resumed_mid_epoch = self.counters.batch > 0
         name = bundle_name(manifest)
-        log.info("run %s: resumed from %s (step %d, layers %s)", self.config.run, name, manifest.step, [str(x) for x in restored])
+        log.info(
+            "run %s: resumed from %s (step %d, layers %s)",
+            self.config.run,
+            name,
+            manifest.step,
+            [str(x) for x in restored],
+        )
         return ResumeResult(bundle=name, step=manifest.step, layers=restored)
 
     def _check_compatible(self, manifest: Manifest) -> None:
@@ -252,7 +277,11 @@ class Checkpointer:
             for layer, state in states.items()
         }
         manifest = commit_bundle(
-            self.store, run=self.config.run, step=self.counters.step, world_size=self.world_size, ranks={self.rank: records}
+            self.store,
+            run=self.config.run,
+            step=self.counters.step,
+            world_size=self.world_size,
+            ranks={self.rank: records},
         )
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
@@ -265,7 +294,11 @@ class Checkpointer:
         )
         log.info(
             "run %s: saved %s (%d bytes, %d new) in %.3f s",
-            self.config.run, result.bundle, result.payload_bytes, result.new_bytes, result.seconds,
+            self.config.run,
+            result.bundle,
+            result.payload_bytes,
+            result.new_bytes,
+            result.seconds,
         )
         return result
 
@@ -274,5 +307,7 @@ class Checkpointer:
         for layer in _CAPTURE_ORDER:
             state = _CAPTURE[layer](self.objects)
             encoded, tensors = skeleton.encode(state, root=(str(layer),))
-            states[layer] = LayerState(encoded, {name: t.detach().cpu() for name, t in tensors.items()})
+            states[layer] = LayerState(
+                encoded, {name: t.detach().cpu() for name, t in tensors.items()}
+            )
         return {layer: states[layer] for layer in RESTORE_ORDER}

@@ -54,7 +54,9 @@ class Config:
         check_run_name(self.run)
         if self.every_steps is not None and self.every_steps < 1:
             raise ValueError(f"every_steps must be at least 1, got {self.every_steps}")
-        if self.every_seconds is not None and not (self.every_seconds > 0 and math.isfinite(self.every_seconds)):
+        if self.every_seconds is not None and not (
+            self.every_seconds > 0 and math.isfinite(self.every_seconds)
+        ):
             raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
         if self.blob_bytes < 1 << 20:
             raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
@@ -67,7 +69,9 @@ class Config:
             )
 
     @classmethod
-    def resolve(cls, overrides: Mapping[str, object], env: Mapping[str, str] | None = None) -> Config:
+    def resolve(
+        cls, overrides: Mapping[str, object], env: Mapping[str, str] | None = None
+    ) -> Config:
         """Merge keyword ``overrides`` (None means unset) over ``CKPT_*`` variables."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}

@@ -71,7 +71,9 @@ def capture_weights(objects: TrainingObjects) -> State:
     masters = _masters(objects)
     state: State = {
         "models": {name: model.state_dict() for name, model in objects.models.items()},
-        "masters": {name: {i: p.detach() for i, p in params.items()} for name, params in masters.items()},
+        "masters": {
+            name: {i: p.detach() for i, p in params.items()} for name, params in masters.items()
+        },
         "extras": {name: extra.state_dict() for name, extra in objects.extras.items()},
         "grads": None,
     }
@@ -142,7 +144,8 @@ def restore_optimizer(objects: TrainingObjects, state: State) -> None:
         optimizer.load_state_dict(state["optimizers"][name])
     if (objects.scaler is None) != (state["scaler"] is None):
         raise IncompatibleBundleError(
-            "the bundle was saved with" + ("out" if state["scaler"] is None else "")
+            "the bundle was saved with"
+            + ("out" if state["scaler"] is None else "")
             + " a GradScaler; pass the same scaler= to resume it"
         )
     if objects.scaler is not None:
@@ -325,7 +328,9 @@ def capture_data(objects: TrainingObjects) -> State:
 
 def restore_data(objects: TrainingObjects, state: State) -> None:
     if (objects.data is None) != (state["source"] is None):
-        raise IncompatibleBundleError("the bundle's data layer does not match data= (one is absent)")
+        raise IncompatibleBundleError(
+            "the bundle's data layer does not match data= (one is absent)"
+        )
     if objects.data is not None:
         objects.data.load_state_dict(state["source"])
 

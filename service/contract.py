@@ -93,7 +93,9 @@ class Manifest(_Frozen):
     @model_validator(mode="after")
     def _known_format(self) -> Manifest:
         if self.format != MANIFEST_FORMAT:
-            raise ValueError(f"unknown manifest format {self.format!r}; expected {MANIFEST_FORMAT!r}")
+            raise ValueError(
+                f"unknown manifest format {self.format!r}; expected {MANIFEST_FORMAT!r}"
+            )
         return self
 
 

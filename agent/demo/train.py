@@ -54,8 +54,14 @@ class NoisyBlobs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(16, 64), nn.BatchNorm1d(64), nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 64),
-        nn.GELU(), nn.Dropout(0.2), nn.Linear(64, 4),
+        nn.Linear(16, 64),
+        nn.BatchNorm1d(64),
+        nn.GELU(),
+        nn.Dropout(0.2),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Dropout(0.2),
+        nn.Linear(64, 4),
     )
 
 
@@ -69,15 +75,17 @@ def warmup_cosine(total_steps: int) -> Any:
     return factor
 
 
-def make_loader(kind: str, workers: int) -> Any:
-    dataset = PerSampleRNG(NoisyBlobs(), seed=7)
+def make_loader(kind: str, workers: int, *, per_sample_rng: bool = True) -> Any:
+    dataset: Dataset[Any] = PerSampleRNG(NoisyBlobs(), seed=7) if per_sample_rng else NoisyBlobs()
     if kind == "sampler":
-        sampler = ResumableSampler(dataset, seed=11)
+        sampler = ResumableSampler(NUM_SAMPLES, seed=11)
         return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, num_workers=workers)
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     generator = torch.Generator().manual_seed(11)
-    return StatefulDataLoader(dataset, batch_size=BATCH_SIZE, shuffle=True, generator=generator, num_workers=workers)
+    return StatefulDataLoader(
+        dataset, batch_size=BATCH_SIZE, shuffle=True, generator=generator, num_workers=workers
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -87,12 +95,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60, help="train until this optimizer step")
     parser.add_argument("--total-steps", type=int, default=60, help="the LR schedule's length")
     parser.add_argument("--every", type=int, default=None, help="save every N optimizer steps")
-    parser.add_argument("--save-at", type=str, default=None, help="STEP[.MICRO]: save exactly there")
-    parser.add_argument("--kill-after-save", action="store_true", help="SIGKILL itself right after --save-at")
+    parser.add_argument(
+        "--save-at", type=str, default=None, help="STEP[.MICRO]: save exactly there"
+    )
+    parser.add_argument(
+        "--kill-after-save", action="store_true", help="SIGKILL itself right after --save-at"
+    )
+    parser.add_argument(
+        "--kill-at", type=str, default=None, help="STEP[.MICRO]: SIGKILL itself there"
+    )
     parser.add_argument("--loader", choices=["sampler", "stateful"], default="sampler")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--skip-layer", choices=[str(layer) for layer in Layer], action="append", default=[])
-    parser.add_argument("--out", required=True, help="where to write the final state and loss records")
+    parser.add_argument(
+        "--no-per-sample-rng",
+        dest="per_sample_rng",
+        action="store_false",
+        help="do not wrap the dataset in PerSampleRNG (shows why it exists)",
+    )
+    parser.add_argument(
+        "--skip-layer", choices=[str(layer) for layer in Layer], action="append", default=[]
+    )
+    parser.add_argument(
+        "--out", required=True, help="where to write the final state and loss records"
+    )
     return parser.parse_args(argv)
 
 
@@ -106,21 +131,35 @@ def main(argv: Sequence[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.total_steps))
     scaler = torch.amp.GradScaler("cpu", growth_interval=5)
     ckpt = Checkpointer(
-        run=args.run, store=args.store, models=model, optimizers=optimizer, schedulers=scheduler,
-        data=make_loader(args.loader, args.workers), scaler=scaler, every_steps=args.every,
+        run=args.run,
+        store=args.store,
+        models=model,
+        optimizers=optimizer,
+        schedulers=scheduler,
+        data=make_loader(args.loader, args.workers, per_sample_rng=args.per_sample_rng),
+        scaler=scaler,
+        every_steps=args.every,
     )
-    ckpt.resume(layers=[layer for layer in Layer if layer not in args.skip_layer])
-    save_at = tuple(int(part) for part in args.save_at.split(".")) if args.save_at else None
+    resumed = ckpt.resume(layers=[layer for layer in Layer if layer not in args.skip_layer])
+    if resumed.resumed:
+        print(
+            f"resumed from {resumed.bundle} at step {ckpt.counters.step}, micro step {ckpt.counters.micro_step}",
+            flush=True,
+        )
+    save_at, kill_at = parse_position(args.save_at), parse_position(args.kill_at)
     records: list[tuple[int, int, torch.Tensor, float]] = []
     counters = ckpt.counters
     model.train()
     while counters.step < args.steps:
         for inputs, labels in ckpt.batches():
             loss = F.cross_entropy(model(inputs), labels) / ACCUMULATION
-            scaler.scale(loss).backward()
+            scaled: torch.Tensor = scaler.scale(loss)
+            torch.autograd.backward(scaled)
             counters.micro_step += 1
             counters.samples += len(labels)
-            records.append((counters.step, counters.micro_step, loss.detach(), scheduler.get_last_lr()[0]))
+            records.append(
+                (counters.step, counters.micro_step, loss.detach(), float(scheduler.get_last_lr()[0]))
+            )
             if counters.micro_step == ACCUMULATION:
                 scaler.step(optimizer)
                 scaler.update()
@@ -128,18 +167,32 @@ def main(argv: Sequence[str] | None = None) -> None:
                 scheduler.step()
                 counters.step += 1
                 counters.micro_step = 0
-            if save_at is not None and (counters.step, counters.micro_step) == (save_at + (0,))[:2]:
+            position = (counters.step, counters.micro_step)
+            if position == save_at:
                 ckpt.save()
                 if args.kill_after_save:
                     os.kill(os.getpid(), signal.SIGKILL)
             ckpt.maybe_save()
+            if position == kill_at:
+                print(f"killed at step {position[0]}, micro step {position[1]}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
             if counters.step >= args.steps:
                 break
     torch.save(final_state(model, optimizer, scaler, records), args.out)
 
 
+def parse_position(text: str | None) -> tuple[int, int] | None:
+    """``"30"`` -> (30, 0); ``"30.2"`` -> (30, 2)."""
+    if text is None:
+        return None
+    step, _, micro = text.partition(".")
+    return int(step), int(micro or 0)
+
+
 def final_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
     records: list[tuple[int, int, torch.Tensor, float]],
 ) -> dict[str, Any]:
     """Everything two runs must agree on, in a form ``torch.load(weights_only=True)`` reads."""

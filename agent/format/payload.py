@@ -50,7 +50,7 @@ _TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor."""
     flat = tensor.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,9 @@ def layout(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> PayloadLayout
         ordered.append((name, contiguous))
         offset += nbytes
     header_json: dict[str, object] = {
-        "__metadata__": {SKELETON_KEY: json.dumps(skeleton, separators=(",", ":"), allow_nan=False)},
+        "__metadata__": {
+            SKELETON_KEY: json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
+        },
         **{name: entry.model_dump(mode="json") for name, entry in index.items()},
     }
     encoded = json.dumps(header_json, separators=(",", ":")).encode()
@@ -136,7 +138,9 @@ def parse_header(payload: memoryview) -> Header:
     (length,) = _LENGTH.unpack(payload[: _LENGTH.size])
     size = _LENGTH.size + length
     if length > _MAX_HEADER_BYTES or size > len(payload):
-        raise BundleFormatError(f"payload header claims {length} bytes; the payload has {len(payload)}")
+        raise BundleFormatError(
+            f"payload header claims {length} bytes; the payload has {len(payload)}"
+        )
     try:
         raw = json.loads(bytes(payload[_LENGTH.size : size]))
         metadata = raw.pop("__metadata__")
@@ -159,7 +163,9 @@ def _check_offsets(index: Mapping[str, TensorEntry], *, data_size: int) -> None:
         for dim in entry.shape:
             numel *= dim
         if begin != cursor or end - begin != numel * itemsize or min(entry.shape, default=0) < 0:
-            raise BundleFormatError(f"tensor {name!r} has inconsistent offsets {entry.data_offsets}")
+            raise BundleFormatError(
+                f"tensor {name!r} has inconsistent offsets {entry.data_offsets}"
+            )
         cursor = end
     if cursor != data_size:
         raise BundleFormatError(f"tensor data covers {cursor} bytes; the payload holds {data_size}")
@@ -174,6 +180,8 @@ def read_tensors(payload: bytearray, header: Header) -> dict[str, torch.Tensor]:
         if end == begin:
             tensors[name] = torch.empty(entry.shape, dtype=dtype)
             continue
-        raw = torch.frombuffer(payload, dtype=torch.uint8, count=end - begin, offset=header.size + begin)
+        raw = torch.frombuffer(
+            payload, dtype=torch.uint8, count=end - begin, offset=header.size + begin
+        )
         tensors[name] = raw.view(dtype).reshape(entry.shape)
     return tensors

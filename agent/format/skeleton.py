@@ -19,7 +19,7 @@ import torch
 
 from agent.errors import BundleFormatError, UnrepresentableStateError
 
-JSON: TypeAlias = None | bool | int | float | str | list["JSON"] | dict[str, "JSON"]
+JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | None
 KeyPath: TypeAlias = tuple[object, ...]
 
 _NUMPY_KINDS = "biuf"  # bool, signed, unsigned, float: no object, string or datetime arrays
@@ -164,7 +164,9 @@ class _Decoder:
         try:
             return self._tensors[_expect(name, str)]
         except KeyError:
-            raise BundleFormatError(f"the skeleton references tensor {name!r}, which the payload lacks") from None
+            raise BundleFormatError(
+                f"the skeleton references tensor {name!r}, which the payload lacks"
+            ) from None
 
     def _dict(self, pairs: JSON) -> dict[object, object]:
         result: dict[object, object] = {}
@@ -203,5 +205,7 @@ class _Decoder:
 
 def _expect(value: JSON, kind: type[Any]) -> Any:
     if not isinstance(value, kind):
-        raise BundleFormatError(f"expected {kind.__name__} in a tagged value, got {type(value).__name__}")
+        raise BundleFormatError(
+            f"expected {kind.__name__} in a tagged value, got {type(value).__name__}"
+        )
     return value

@@ -54,7 +54,9 @@ class DirectoryStore:
             with self._path(key).open("rb", buffering=0) as source:
                 size = os.fstat(source.fileno()).st_size
                 if size > len(buffer):
-                    raise StoreError(f"{self.url}: {key!r} holds {size} bytes, expected at most {len(buffer)}")
+                    raise StoreError(
+                        f"{self.url}: {key!r} holds {size} bytes, expected at most {len(buffer)}"
+                    )
                 filled = 0
                 while filled < size:
                     count = source.readinto(buffer[filled:size])

@@ -1,0 +1,42 @@
+"""Compare a resumed run's final state with an uninterrupted run's, bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _tensor_differences(
+    what: str, reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]
+) -> list[str]:
+    if reference.keys() != other.keys():
+        return [f"{what}: different entries"]
+    return [
+        f"{what} {name} differs"
+        for name in reference
+        if not torch.equal(reference[name], other[name])
+    ]
+
+
+def differences(reference: dict[str, Any], resumed: dict[str, Any]) -> list[str]:
+    """What differs between the runs (empty when bit-identical).
+
+    ``resumed`` ran only the part after its bundle, so its per-micro-batch records must
+    equal the tail of the reference's.
+    """
+    found = _tensor_differences("parameter/buffer", reference["model"], resumed["model"])
+    found += _tensor_differences("optimizer state", reference["optimizer"], resumed["optimizer"])
+    for key in ("lr", "scaler"):
+        if reference[key] != resumed[key]:
+            found.append(f"{key}: {reference[key]} != {resumed[key]}")
+    count = len(resumed["positions"])
+    if count == 0 or count > len(reference["positions"]):
+        return [*found, f"the resumed run recorded {count} micro-batches"]
+    if reference["positions"][-count:] != resumed["positions"]:
+        found.append("the resumed run's (step, micro step) sequence differs")
+    elif not torch.equal(reference["losses"][-count:], resumed["losses"]):
+        found.append("the per-micro-batch loss sequence differs")
+    if reference["record_lrs"][-count:] != resumed["record_lrs"]:
+        found.append("the per-step learning rates differ")
+    return found

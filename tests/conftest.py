@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+RunTrainer = Callable[..., dict[str, Any]]
+
+
+def run_trainer(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[str, Any]:
+    """Run the demo training job in a fresh process and load what it wrote."""
+    command = [
+        sys.executable,
+        "-m",
+        "agent.demo.train",
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        *args,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == expect_rc, (
+        f"{command} exited {done.returncode}:\n{done.stderr[-4000:]}"
+    )
+    if expect_rc != 0:
+        return {}
+    state: dict[str, Any] = torch.load(out, weights_only=True)
+    return state
+
+
+@pytest.fixture
+def trainer(tmp_path: Path) -> RunTrainer:
+    counter = iter(range(1_000_000))
+
+    def run(*args: str, store: Path | None = None, expect_rc: int = 0) -> dict[str, Any]:
+        return run_trainer(
+            store or tmp_path / "store",
+            tmp_path / f"out{next(counter)}.pt",
+            *args,
+            expect_rc=expect_rc,
+        )
+
+    return run

@@ -1,0 +1,108 @@
+"""Continuous run vs. a run killed after a save and resumed in a new process.
+
+The job (agent/demo/train.py) has dropout, batch norm, AdamW, warmup + cosine, gradient
+accumulation 4, a GradScaler and a shuffled DataLoader with 2 workers whose samples draw
+NumPy, Python and torch randomness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent import Layer
+from agent.demo.compare import differences
+from tests.conftest import RunTrainer, run_trainer
+
+pytestmark = pytest.mark.slow
+
+STEPS = ("--steps", "60", "--total-steps", "80")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("reference")
+    return {
+        loader: run_trainer(root / loader, root / f"{loader}.pt", *STEPS, "--loader", loader)
+        for loader in ("sampler", "stateful")
+    }
+
+
+@pytest.mark.parametrize(
+    ("loader", "save_at"),
+    [("sampler", "30"), ("sampler", "30.2"), ("stateful", "30"), ("stateful", "29.3")],
+    ids=[
+        "sampler-step-boundary",
+        "sampler-mid-accumulation",
+        "stateful-step-boundary",
+        "stateful-mid-accumulation",
+    ],
+)
+def test_killed_and_resumed_run_is_bit_exact(
+    trainer: RunTrainer, references: dict[str, dict[str, Any]], loader: str, save_at: str
+) -> None:
+    trainer(*STEPS, "--loader", loader, "--save-at", save_at, "--kill-after-save", expect_rc=-9)
+    resumed = trainer(*STEPS, "--loader", loader)
+    assert resumed["positions"][0] == _position_after(save_at)
+    assert differences(references[loader], resumed) == []
+
+
+def _position_after(save_at: str) -> tuple[int, int]:
+    step, _, micro = save_at.partition(".")
+    return (int(step), int(micro or 0) + 1)
+
+
+@pytest.fixture(scope="module")
+def mid_accumulation_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("killed")
+    run_trainer(
+        root / "store",
+        root / "unused.pt",
+        *STEPS,
+        "--save-at",
+        "30.2",
+        "--kill-after-save",
+        expect_rc=-9,
+    )
+    return root / "store"
+
+
+def test_resuming_the_shared_bundle_with_every_layer_is_bit_exact(
+    trainer: RunTrainer, references: dict[str, dict[str, Any]], mid_accumulation_store: Path
+) -> None:
+    # The positive twin of the negative controls below, from the very same bundle.
+    assert differences(references["sampler"], trainer(*STEPS, store=mid_accumulation_store)) == []
+
+
+@pytest.mark.parametrize("skipped", [str(layer) for layer in Layer])
+def test_skipping_any_one_layer_breaks_bit_exactness(
+    trainer: RunTrainer,
+    references: dict[str, dict[str, Any]],
+    mid_accumulation_store: Path,
+    skipped: str,
+) -> None:
+    resumed = trainer(*STEPS, "--skip-layer", skipped, store=mid_accumulation_store)
+    found = differences(references["sampler"], resumed)
+    assert any(item.startswith("parameter/buffer") for item in found), found
+
+
+def test_worker_randomness_without_per_sample_seeding_is_not_resumable(
+    trainer: RunTrainer, tmp_path: Path
+) -> None:
+    # Why PerSampleRNG exists: DataLoader workers restart their random streams from the seed
+    # after a resume, so without it the augmentation of the resumed epoch differs.
+    reference = trainer(*STEPS, "--no-per-sample-rng", store=tmp_path / "reference")
+    trainer(*STEPS, "--no-per-sample-rng", "--save-at", "30", "--kill-after-save", expect_rc=-9)
+    resumed = trainer(*STEPS, "--no-per-sample-rng")
+    assert "the per-micro-batch loss sequence differs" in differences(reference, resumed)
+
+
+def test_periodic_saves_resume_from_the_latest(
+    trainer: RunTrainer, references: dict[str, dict[str, Any]]
+) -> None:
+    trainer("--steps", "45", "--total-steps", "80", "--every", "20")
+    resumed = trainer(*STEPS)
+    assert resumed["positions"][0] == (40, 1)
+    assert differences(references["sampler"], resumed) == []

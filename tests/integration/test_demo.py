@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_ckpt_demo_reports_bit_exact(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["ckpt", "demo", "--steps", "24", "--every", "5", "--seed", "3"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "BIT-EXACT: yes" in done.stdout
+    assert list((tmp_path / ".ckpt" / "store" / "runs").iterdir())
+
+
+def test_ckpt_without_a_command_explains_itself() -> None:
+    done = subprocess.run(["ckpt"], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "demo" in done.stderr

@@ -1,0 +1,271 @@
+"""What restore refuses, what it ignores, and what it never executes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from agent import (
+    BundleFormatError,
+    Checkpointer,
+    CorruptBundleError,
+    IncompatibleBundleError,
+    ResumableSampler,
+    UnrepresentableStateError,
+)
+from agent.bundle import LayerState, WriteStats, commit_bundle, latest_manifest, upload_layer
+from agent.format.skeleton import JSON
+from agent.storage import DirectoryStore, keys
+from service.contract import Layer, Manifest
+
+
+class Marker:
+    """Pickled, it would create a file when loaded."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.path,))
+
+
+class Box:
+    """A user extra whose state is whatever we put in it."""
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def make(
+    store: DirectoryStore, *, box: Box | None = None
+) -> tuple[Checkpointer, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ckpt = Checkpointer(
+        run="integrity",
+        store=store,
+        models=model,
+        optimizers=optimizer,
+        data=ResumableSampler(16, seed=1),
+        extras={"box": box or Box({"note": "hi"})},
+    )
+    return ckpt, model, optimizer
+
+
+def train_step(ckpt: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    loss = model(torch.randn(3, 4)).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    ckpt.counters.step += 1
+
+
+def saved_store(tmp_path: Path, steps: tuple[int, ...] = (1, 2)) -> DirectoryStore:
+    store = DirectoryStore(tmp_path / "store")
+    ckpt, model, optimizer = make(store)
+    for _ in range(max(steps)):
+        train_step(ckpt, model, optimizer)
+        if ckpt.counters.step in steps:
+            ckpt.save()
+    return store
+
+
+def blob_files(
+    store: DirectoryStore, run: str = "integrity", step: int = 2, layer: Layer = Layer.WEIGHTS
+) -> list[Path]:
+    manifest = Manifest.model_validate_json(store.get(keys.manifest_key(run, step)))
+    return [
+        store.root / keys.blob_key(blob.sha256) for blob in manifest.ranks[0].layers[layer].blobs
+    ]
+
+
+def test_a_flipped_byte_is_refused_naming_the_bundle_and_blob(tmp_path: Path) -> None:
+    store = saved_store(tmp_path)
+    victim = blob_files(store)[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(data)
+    ckpt, model, _ = make(store)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(CorruptBundleError) as raised:
+        ckpt.resume()
+    assert raised.value.blob == victim.name
+    assert "runs/integrity/bundles/000000000002" in str(raised.value)
+    assert victim.name in str(raised.value)
+    # The weights layer failed verification before anything was loaded into the model.
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_a_truncated_or_missing_blob_is_refused(tmp_path: Path, damage: str) -> None:
+    store = saved_store(tmp_path)
+    victim = blob_files(store, layer=Layer.OPTIMIZER)[-1]
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-1])
+    else:
+        victim.unlink()
+    with pytest.raises(CorruptBundleError, match=victim.name):
+        make(store)[0].resume()
+
+
+def test_a_bundle_without_manifest_is_ignored(tmp_path: Path) -> None:
+    store = saved_store(tmp_path)
+    store.delete(keys.manifest_key("integrity", 2))
+    ckpt, _, _ = make(store)
+    result = ckpt.resume()
+    assert (result.step, ckpt.counters.step) == (1, 1)
+
+
+def test_no_bundle_means_a_fresh_start(tmp_path: Path) -> None:
+    result = make(DirectoryStore(tmp_path))[0].resume()
+    assert not result.resumed and result.bundle is None
+
+
+def test_restore_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = saved_store(tmp_path)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pickle was used on the load path")
+
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "load", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    ckpt, _, _ = make(store)
+    assert ckpt.resume().step == 2
+
+
+def test_pickle_bytes_in_state_come_back_as_bytes_and_run_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "executed"
+    smuggled = pickle.dumps(Marker(marker))
+    store = DirectoryStore(tmp_path / "store")
+    ckpt, _, _ = make(store, box=Box({"payload": smuggled}))
+    ckpt.save()
+    box = Box()
+    restored, _, _ = make(store, box=box)
+    restored.resume()
+    assert box.state == {"payload": smuggled}
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "smuggled",
+    [
+        {"$pickle": "PAYLOAD"},
+        {"$reduce": ["pathlib.Path.touch", ["MARKER"]]},
+        {"$tensor": "weights/models/0/0.weight", "$reduce": "x"},
+        {"$numpy": ["O", "PAYLOAD"]},
+        {"$dtype": "load"},
+    ],
+)
+def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str, Any]) -> None:
+    marker = tmp_path / "executed"
+    payload = base64.b64encode(pickle.dumps(Marker(marker))).decode()
+    crafted = json.loads(
+        json.dumps(smuggled).replace("PAYLOAD", payload).replace("MARKER", str(marker))
+    )
+    store = saved_store(tmp_path, steps=(1,))
+    # Rewrite the weights layer of a committed bundle: its skeleton smuggles the value into
+    # the extra's state; hashes and manifest are valid, so only the decoder stands guard.
+    manifest = latest_manifest(store, "integrity")
+    assert manifest is not None
+    skeleton: JSON = {"models": {}, "masters": {}, "extras": {"box": crafted}, "grads": None}
+    stats = WriteStats()
+    record = upload_layer(store, LayerState(skeleton, {}), blob_bytes=1 << 20, stats=stats)
+    layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
+    commit_bundle(store, run="integrity", step=5, world_size=1, ranks={0: layers})
+    with pytest.raises(BundleFormatError):
+        make(store)[0].resume()
+    assert not marker.exists()
+
+
+def test_unrepresentable_state_fails_at_save_naming_its_key_path(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    ckpt, _, _ = make(store, box=Box({"schedule": {"fn": lambda step: step}}))
+    with pytest.raises(UnrepresentableStateError, match=r"weights/extras/box/schedule/fn"):
+        ckpt.save()
+    assert latest_manifest(store, "integrity") is None
+
+
+def test_other_objects_are_refused_with_what_to_pass(tmp_path: Path) -> None:
+    store = saved_store(tmp_path)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ckpt = Checkpointer(
+        run="integrity",
+        store=store,
+        models={"student": model},
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+    )
+    with pytest.raises(IncompatibleBundleError, match="student"):
+        ckpt.resume()
+
+
+def test_master_weights_generators_extras_and_named_objects_round_trip(tmp_path: Path) -> None:
+    def build() -> tuple[Checkpointer, dict[str, Any]]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4).to(torch.bfloat16)
+        masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+        head = nn.Linear(4, 1)
+        objects: dict[str, Any] = {
+            "model": model,
+            "head": head,
+            "masters": masters,
+            "opt": torch.optim.Adam(masters, lr=0.1),
+            "head_opt": torch.optim.SGD(head.parameters(), lr=0.1, momentum=0.9),
+            "gen": torch.Generator().manual_seed(3),
+            "npgen": np.random.default_rng(4),
+            "box": Box({"ema": torch.zeros(2), "n": 0}),
+        }
+        ckpt = Checkpointer(
+            run="masters",
+            store=DirectoryStore(tmp_path),
+            models={"model": model, "head": head},
+            optimizers={"opt": objects["opt"], "head_opt": objects["head_opt"]},
+            generators={"gen": objects["gen"], "npgen": objects["npgen"]},
+            extras={"box": objects["box"]},
+        )
+        return ckpt, objects
+
+    ckpt, saved = build()
+    for _ in range(3):
+        saved["masters"][0].grad = torch.randn(4, 4, generator=saved["gen"])
+        saved["masters"][1].grad = torch.randn(4, generator=saved["gen"])
+        saved["opt"].step()
+        saved["head"](torch.randn(2, 4)).sum().backward()
+        saved["head_opt"].step()
+        saved["box"].state = {"ema": torch.randn(2), "n": saved["box"].state["n"] + 1}
+    saved["npgen"].random(5)
+    ckpt.counters.step = 3
+    ckpt.save()
+
+    fresh, restored = build()
+    fresh.resume()
+    for a, b in zip(saved["masters"], restored["masters"], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(restored["box"].state["ema"], saved["box"].state["ema"])
+    assert restored["box"].state["n"] == 3
+    assert torch.equal(saved["gen"].get_state(), restored["gen"].get_state())
+    assert saved["npgen"].random() == restored["npgen"].random()
+    for name in ("opt", "head_opt"):
+        before, after = saved[name].state_dict(), restored[name].state_dict()
+        assert before["param_groups"] == after["param_groups"]
+        for index, state in before["state"].items():
+            assert state.keys() == after["state"][index].keys()
+            assert all(
+                torch.equal(value, after["state"][index][key]) for key, value in state.items()
+            )

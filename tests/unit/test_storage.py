@@ -1,0 +1,276 @@
+"""The directory store (the reference ObjectStore), object keys, and open_store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.errors import StoreError
+from agent.storage import DirectoryStore, ObjectStore, keys, open_store
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> DirectoryStore:
+    return DirectoryStore(tmp_path / "store")
+
+
+def files_under(root: Path) -> list[str]:
+    """Every file on disk, hidden ones included."""
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file())
+
+
+def test_directory_store_is_an_object_store(store: DirectoryStore) -> None:
+    assert isinstance(store, ObjectStore)
+    assert store.url.startswith("file:///")
+
+
+def test_put_then_get_concatenates_the_pieces(store: DirectoryStore) -> None:
+    array = bytearray(range(4))
+
+    store.put("blobs/sha256/ab/abc", [b"head", memoryview(array), b"", memoryview(b"tail")[1:]])
+
+    assert store.get("blobs/sha256/ab/abc") == b"head\x00\x01\x02\x03ail"
+    assert store.size("blobs/sha256/ab/abc") == 11
+
+
+def test_put_accepts_a_generator_and_replaces_the_old_object(store: DirectoryStore) -> None:
+    store.put("k", [b"old object, longer"])
+
+    store.put("k", (bytes([i]) for i in range(3)))
+
+    assert store.get("k") == b"\x00\x01\x02"
+
+
+def test_put_of_nothing_stores_an_empty_object(store: DirectoryStore) -> None:
+    store.put("empty", [])
+
+    assert store.get("empty") == b""
+    assert store.size("empty") == 0
+
+
+def test_absent_keys(store: DirectoryStore) -> None:
+    with pytest.raises(StoreError, match="no object 'nope'"):
+        store.get("nope")
+    with pytest.raises(StoreError, match="no object"):
+        store.read_into("nope", memoryview(bytearray(4)))
+    assert store.size("nope") is None
+    store.delete("nope")  # absent keys are ignored
+
+
+def test_read_into_fills_the_start_of_the_buffer(store: DirectoryStore) -> None:
+    store.put("k", [b"abcdef"])
+    buffer = bytearray(b"." * 10)
+
+    size = store.read_into("k", memoryview(buffer))
+
+    assert size == 6
+    assert buffer == bytearray(b"abcdef....")
+
+
+def test_read_into_an_exact_buffer(store: DirectoryStore) -> None:
+    store.put("k", [b"abcdef"])
+    buffer = bytearray(6)
+
+    assert store.read_into("k", memoryview(buffer)[0:6]) == 6
+    assert buffer == b"abcdef"
+
+
+def test_read_into_refuses_a_buffer_that_is_too_small(store: DirectoryStore) -> None:
+    store.put("k", [b"abcdef"])
+    buffer = bytearray(5)
+
+    with pytest.raises(StoreError, match="6 bytes"):
+        store.read_into("k", memoryview(buffer))
+
+
+def test_list_keys_is_sorted_and_filtered_by_prefix(store: DirectoryStore) -> None:
+    for key in [
+        "runs/b/x",
+        "blobs/sha256/ff/ff1",
+        "runs/a/bundles/2",
+        "runs/a/bundles/10",
+        "runs/ab",
+    ]:
+        store.put(key, [b"1"])
+
+    assert list(store.list_keys("")) == [
+        "blobs/sha256/ff/ff1",
+        "runs/a/bundles/10",
+        "runs/a/bundles/2",
+        "runs/ab",
+        "runs/b/x",
+    ]
+    assert list(store.list_keys("runs/a")) == ["runs/a/bundles/10", "runs/a/bundles/2", "runs/ab"]
+    assert list(store.list_keys("runs/a/")) == ["runs/a/bundles/10", "runs/a/bundles/2"]
+    assert list(store.list_keys("nothing/")) == []
+
+
+def test_list_keys_of_a_fresh_store_is_empty(store: DirectoryStore) -> None:
+    assert list(store.list_keys("")) == []
+
+
+def test_delete_removes_the_object(store: DirectoryStore) -> None:
+    store.put("a/b", [b"1"])
+    store.put("a/c", [b"2"])
+
+    store.delete("a/b")
+
+    assert store.size("a/b") is None
+    assert list(store.list_keys("")) == ["a/c"]
+
+
+@pytest.mark.parametrize(
+    "key", ["", "../x", "a/../../x", "/abs", "a//b", "a/", "./a", "a/./b", "..", "."]
+)
+def test_invalid_keys_are_refused_by_every_method(store: DirectoryStore, key: str) -> None:
+    calls: list[Callable[[], object]] = [
+        lambda: store.put(key, [b"x"]),
+        lambda: store.get(key),
+        lambda: store.read_into(key, memoryview(bytearray(8))),
+        lambda: store.size(key),
+        lambda: store.delete(key),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="invalid object key"):
+            call()
+    assert not (store.root.parent / "x").exists()
+
+
+def failing_pieces() -> Iterator[bytes]:
+    yield b"half of the new "
+    raise RuntimeError("network dropped")
+
+
+def test_a_failed_put_keeps_the_old_object(store: DirectoryStore) -> None:
+    store.put("a/k", [b"old"])
+
+    with pytest.raises(RuntimeError, match="network dropped"):
+        store.put("a/k", failing_pieces())
+
+    assert store.get("a/k") == b"old"
+    assert list(store.list_keys("")) == ["a/k"]
+    assert files_under(store.root) == ["a/k"]  # no temporary file left behind
+
+
+def test_a_failed_put_of_a_new_key_leaves_nothing(store: DirectoryStore) -> None:
+    with pytest.raises(RuntimeError):
+        store.put("a/new", failing_pieces())
+
+    assert store.size("a/new") is None
+    assert list(store.list_keys("")) == []
+    assert files_under(store.root) == []
+
+
+def test_a_put_in_flight_is_invisible(store: DirectoryStore) -> None:
+    store.put("k", [b"old"])
+    seen: list[object] = []
+
+    def pieces() -> Iterator[bytes]:
+        yield b"new"
+        seen.extend([store.get("k"), list(store.list_keys(""))])
+        yield b"er"
+
+    store.put("k", pieces())
+
+    assert seen == [b"old", ["k"]]
+    assert store.get("k") == b"newer"
+
+
+def test_open_store_with_a_path(tmp_path: Path) -> None:
+    opened = open_store(str(tmp_path / "s"))
+
+    assert isinstance(opened, DirectoryStore)
+    assert opened.root == tmp_path / "s"
+
+
+def test_open_store_with_a_file_url_reaches_the_same_objects(tmp_path: Path) -> None:
+    by_path = open_store(str(tmp_path))
+    by_path.put("k", [b"v"])
+
+    by_url = open_store((tmp_path).as_uri())
+
+    assert isinstance(by_url, DirectoryStore)
+    assert by_url.root == tmp_path
+    assert by_url.get("k") == b"v"
+    assert open_store(by_path.url).get("k") == b"v"
+
+
+def test_open_store_with_a_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    opened = open_store(".ckpt/store")
+
+    assert isinstance(opened, DirectoryStore)
+    assert opened.root == tmp_path / ".ckpt" / "store"
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/prefix", "gs://bucket", "http://host/x"])
+def test_open_store_refuses_other_schemes(url: str) -> None:
+    with pytest.raises(ValueError, match="unsupported store URL"):
+        open_store(url)
+
+
+SHA = "ab" + "0123456789abcdef" * 3 + "0123456789abcd"
+
+
+def test_blob_key_spreads_by_hash_prefix() -> None:
+    assert len(SHA) == 64
+    assert keys.blob_key(SHA) == f"blobs/sha256/ab/{SHA}"
+
+
+def test_manifest_key_pads_the_step() -> None:
+    assert keys.manifest_key("run-1", 42) == "runs/run-1/bundles/000000000042/manifest.json"
+    assert keys.manifest_key("r", 0) == "runs/r/bundles/000000000000/manifest.json"
+    assert keys.bundles_prefix("r") == "runs/r/bundles/"
+    assert keys.manifest_key("r", 7).startswith(keys.bundles_prefix("r"))
+
+
+def test_manifest_keys_sort_by_step() -> None:
+    steps = [3000, 5, 100, 20, 0, 999_999]
+
+    ordered = sorted(keys.manifest_key("r", step) for step in steps)
+
+    assert [keys.manifest_step(key) for key in ordered] == sorted(steps)
+
+
+@settings(database=None, deadline=None)
+@given(st.integers(0, 10**12 - 1))
+def test_manifest_step_parses_manifest_key(step: int) -> None:
+    assert keys.manifest_step(keys.manifest_key("run.v2_x", step)) == step
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        f"blobs/sha256/ab/{SHA}",
+        "runs/r/bundles/42/manifest.json",
+        "runs/r/bundles/000000000042/other.json",
+        "runs/r/bundles/000000000042/manifest.json.tmp",
+        "runs/a/b/bundles/000000000042/manifest.json",
+        "runs//bundles/000000000042/manifest.json",
+        "x/runs/r/bundles/000000000042/manifest.json",
+        "runs/r/bundles/00000000004a/manifest.json",
+        "",
+    ],
+)
+def test_manifest_step_is_none_for_other_keys(key: str) -> None:
+    assert keys.manifest_step(key) is None
+
+
+@pytest.mark.parametrize("run", ["a", "Run-1", "llama_7b.v2", "0", "a" * 128])
+def test_valid_run_names(run: str) -> None:
+    assert keys.check_run_name(run) == run
+
+
+@pytest.mark.parametrize(
+    "run", ["", "-a", ".a", "_a", "a/b", "a b", "a" * 129, "é", "..", "a:b", "a\\b"]
+)
+def test_invalid_run_names(run: str) -> None:
+    with pytest.raises(ValueError, match="invalid run name"):
+        keys.check_run_name(run)
+    with pytest.raises(ValueError, match="invalid run name"):
+        keys.manifest_key(run, 1)
