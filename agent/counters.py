@@ -35,6 +35,13 @@ class Counters:
     def to_state(self) -> dict[str, Any]:
         """A JSON-ready copy; raises ``UnrepresentableStateError`` if an extra is not JSON."""
         state = asdict(self)
+        for name in state.keys() - {"extras"}:
+            if type(state[name]) is not int:
+                raise UnrepresentableStateError(
+                    f"counters/{name} must be an int, not {state[name]!r}"
+                )
+        if not all(isinstance(key, str) for key in self.extras):
+            raise UnrepresentableStateError("counters/extras keys must be strings")
         try:
             return dict(json.loads(json.dumps(state, allow_nan=False)))
         except (TypeError, ValueError) as err:
@@ -45,5 +52,9 @@ class Counters:
         if set(state) != names:
             raise ValueError(f"counters state has keys {sorted(state)}, expected {sorted(names)}")
         for name in names - {"extras"}:
-            setattr(self, name, int(state[name]))
+            if type(state[name]) is not int:
+                raise ValueError(f"counters state: {name} must be an int, not {state[name]!r}")
+            setattr(self, name, state[name])
+        if not isinstance(state["extras"], dict):
+            raise ValueError("counters state: extras must be a dict")
         self.extras = dict(state["extras"])

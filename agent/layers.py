@@ -8,6 +8,7 @@ live references: the caller must not let training mutate them before they are wr
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -69,8 +70,11 @@ def _masters(objects: TrainingObjects) -> dict[str, dict[int, torch.Tensor]]:
 
 def capture_weights(objects: TrainingObjects) -> State:
     masters = _masters(objects)
+    models = {name: model.state_dict() for name, model in objects.models.items()}
     state: State = {
-        "models": {name: model.state_dict() for name, model in objects.models.items()},
+        "models": models,
+        # Modules read their format version from this attribute of the state dict on load.
+        "module_versions": {name: getattr(sd, "_metadata", None) for name, sd in models.items()},
         "masters": {
             name: {i: p.detach() for i, p in params.items()} for name, params in masters.items()
         },
@@ -94,7 +98,9 @@ def capture_weights(objects: TrainingObjects) -> State:
 def restore_weights(objects: TrainingObjects, state: State) -> None:
     _same_names("models", objects.models, state["models"])
     for name, model in objects.models.items():
-        model.load_state_dict(state["models"][name], strict=True)
+        model_state = OrderedDict(state["models"][name])
+        model_state._metadata = state["module_versions"][name]  # type: ignore[attr-defined]
+        model.load_state_dict(model_state, strict=True)
     masters = _masters(objects)
     _same_names("fp32 master weights of optimizers", masters, state["masters"])
     with torch.no_grad():

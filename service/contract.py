@@ -96,6 +96,11 @@ class Manifest(_Frozen):
             raise ValueError(
                 f"unknown manifest format {self.format!r}; expected {MANIFEST_FORMAT!r}"
             )
+        ranks = [record.rank for record in self.ranks]
+        if len(set(ranks)) != len(ranks) or any(rank >= self.world_size for rank in ranks):
+            raise ValueError(
+                f"ranks {ranks} must be distinct and below world_size {self.world_size}"
+            )
         return self
 
 

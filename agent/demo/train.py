@@ -158,7 +158,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             counters.micro_step += 1
             counters.samples += len(labels)
             records.append(
-                (counters.step, counters.micro_step, loss.detach(), float(scheduler.get_last_lr()[0]))
+                (
+                    counters.step,
+                    counters.micro_step,
+                    loss.detach(),
+                    float(scheduler.get_last_lr()[0]),
+                )
             )
             if counters.micro_step == ACCUMULATION:
                 scaler.step(optimizer)

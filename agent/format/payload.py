@@ -97,6 +97,8 @@ def layout(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> PayloadLayout
     ordered: list[tuple[str, torch.Tensor]] = []
     offset = 0
     for name, tensor in tensors.items():
+        if name == "__metadata__":
+            raise UnrepresentableStateError("a tensor may not be named __metadata__")
         code = DTYPES.get(tensor.dtype)
         if code is None:
             raise UnrepresentableStateError(f"{name}: dtype {tensor.dtype} cannot be stored")

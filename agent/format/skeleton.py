@@ -38,10 +38,12 @@ class _Encoder:
     def encode(self, value: object, path: KeyPath) -> JSON:
         if value is None or isinstance(value, bool | str):
             return value
+        if isinstance(value, np.generic):  # before int/float: np.float64 is a float subclass
+            return self._encode_numpy_scalar(value, path)
         if isinstance(value, int):
-            return value
+            return int(value)
         if isinstance(value, float):
-            return value if math.isfinite(value) else {"$float": repr(value)}
+            return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
         if isinstance(value, torch.Tensor):
             return {"$tensor": self._tensor_name(value, path)}
         if isinstance(value, list):
@@ -62,28 +64,42 @@ class _Encoder:
         return {"$dict": pairs}
 
     def _encode_key(self, key: object, path: KeyPath) -> JSON:
-        if isinstance(key, torch.Tensor | np.ndarray | dict | list):
+        if not _plain_key(key):
             raise UnrepresentableStateError(
                 f"{render_path(path)}: a dict key of type {type(key).__name__} cannot be stored; "
                 "use str, int, float, bool, None or tuples of them"
             )
         return self.encode(key, (*path, "<key>"))
 
+    def _encode_numpy_scalar(self, value: np.generic, path: KeyPath) -> JSON:
+        if value.dtype.kind not in _NUMPY_KINDS:
+            return self._refuse(value, path)
+        return {"$numpy": [value.dtype.str, self.encode(value.item(), path)]}
+
     def _encode_other(self, value: object, path: KeyPath) -> JSON:
         if isinstance(value, np.ndarray) and value.dtype.kind in _NUMPY_KINDS:
-            tensor = torch.from_numpy(np.ascontiguousarray(value))
+            # A native-byte-order, writable, C-ordered copy (0-d arrays keep their shape).
+            native = value.astype(value.dtype.newbyteorder("="), order="C", copy=True)
+            try:
+                tensor = torch.from_numpy(native)
+            except TypeError:
+                return self._refuse(value, path)
             return {"$ndarray": self._tensor_name(tensor, path)}
-        if isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS:
-            item: JSON = value.item()
-            return {"$numpy": [value.dtype.str, self.encode(item, path)]}
         if isinstance(value, bytes):
             return {"$bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, torch.dtype):
             return {"$dtype": str(value).removeprefix("torch.")}
         if isinstance(value, torch.device):
             return {"$device": str(value)}
+        return self._refuse(value, path)
+
+    @staticmethod
+    def _refuse(value: object, path: KeyPath) -> JSON:
+        kind = type(value).__qualname__
+        if isinstance(value, np.ndarray | np.generic):
+            kind += f" of dtype {value.dtype}"
         raise UnrepresentableStateError(
-            f"{render_path(path)}: cannot store a value of type {type(value).__qualname__} "
+            f"{render_path(path)}: cannot store a value of type {kind} "
             "without pickle; make state_dict() return tensors, numbers, strings, bytes, "
             "None, lists, tuples and dicts"
         )
@@ -104,6 +120,13 @@ class _Encoder:
         self.tensors[name] = tensor
         self._names[id(tensor)] = name
         return name
+
+
+def _plain_key(key: object) -> bool:
+    """Keys the decoder can rebuild as themselves: JSON scalars and tuples of them."""
+    if isinstance(key, tuple):
+        return all(_plain_key(item) for item in key)
+    return key is None or type(key) in (str, int, float, bool)
 
 
 def encode(state: object, *, root: KeyPath = ()) -> tuple[JSON, dict[str, torch.Tensor]]:
@@ -127,7 +150,12 @@ def decode(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
     Raises:
         BundleFormatError: an unknown tag, a malformed tagged value or a missing tensor.
     """
-    return _Decoder(tensors).decode(skeleton)
+    try:
+        return _Decoder(tensors).decode(skeleton)
+    except BundleFormatError:
+        raise
+    except (ValueError, TypeError, OverflowError, RuntimeError) as err:
+        raise BundleFormatError(f"malformed skeleton: {err}") from err
 
 
 class _Decoder:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 
 @runtime_checkable
@@ -54,8 +55,14 @@ def open_store(url: str) -> ObjectStore:
     from agent.storage.directory import DirectoryStore
 
     parsed = urlparse(url)
-    if parsed.scheme in ("", "file"):
-        return DirectoryStore(parsed.path if parsed.scheme else url)
+    if parsed.scheme == "":
+        return DirectoryStore(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"store URL {url!r} names host {parsed.netloc!r}; use file:///absolute/path"
+            )
+        return DirectoryStore(url2pathname(parsed.path))
     raise ValueError(
         f"unsupported store URL {url!r}: use a directory path or file:///path "
         "(S3 support is not in this version)"

@@ -23,7 +23,8 @@ class DirectoryStore:
 
     def _path(self, key: str) -> Path:
         parts = key.split("/")
-        if not key or key.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        # Parts starting with "." are refused: they are reserved for temporary files.
+        if not key or any(part == "" or part.startswith(".") for part in parts):
             raise ValueError(f"invalid object key {key!r}")
         return self.root.joinpath(*parts)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import re
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_MANIFEST = re.compile(r"^runs/[^/]+/bundles/(\d{12})/manifest\.json$")
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MANIFEST = re.compile(r"runs/[^/]+/bundles/(\d{12,})/manifest\.json")
 
 
 def check_run_name(run: str) -> str:
     """Return ``run`` if it is a valid run name, else raise ``ValueError``."""
-    if not _RUN_NAME.match(run):
+    if not _RUN_NAME.fullmatch(run):
         raise ValueError(
             f"invalid run name {run!r}: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -39,5 +39,5 @@ def manifest_key(run: str, step: int) -> str:
 
 def manifest_step(key: str) -> int | None:
     """The step of a manifest key, or None for any other key."""
-    match = _MANIFEST.match(key)
+    match = _MANIFEST.fullmatch(key)
     return int(match.group(1)) if match else None

@@ -1,16 +1,20 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
+# The console script pip installed beside this interpreter.
+CKPT = str(Path(sys.executable).parent / "ckpt")
+
 
 def test_ckpt_demo_reports_bit_exact(tmp_path: Path) -> None:
     done = subprocess.run(
-        ["ckpt", "demo", "--steps", "24", "--every", "5", "--seed", "3"],
+        [CKPT, "demo", "--steps", "24", "--every", "5", "--seed", "3"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -23,6 +27,6 @@ def test_ckpt_demo_reports_bit_exact(tmp_path: Path) -> None:
 
 
 def test_ckpt_without_a_command_explains_itself() -> None:
-    done = subprocess.run(["ckpt"], capture_output=True, text=True, check=False)
+    done = subprocess.run([CKPT], capture_output=True, text=True, check=False)
     assert done.returncode == 2
     assert "demo" in done.stderr

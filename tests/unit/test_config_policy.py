@@ -14,7 +14,7 @@ from agent.counters import Counters
 from agent.errors import UnrepresentableStateError
 from agent.format.chunking import DEFAULT_BLOB_BYTES
 from agent.policy import Position, SavePolicy
-from service.contract import MANIFEST_FORMAT, Layer, Manifest, missing_parts
+from service.contract import MANIFEST_FORMAT, Layer, Manifest, RankRecord, Versions, missing_parts
 
 MIB = 1 << 20
 
@@ -368,3 +368,33 @@ def test_missing_parts_of_an_empty_bundle_is_everything() -> None:
 
     assert len(missing_parts(manifest)) == 12
     assert missing_parts(manifest)[0] == (0, Layer.WEIGHTS)
+
+
+@pytest.mark.parametrize(("name", "value"), [("step", 1.5), ("epoch", "3"), ("batch", True)])
+def test_counters_must_be_ints(name: str, value: object) -> None:
+    counters = Counters()
+    setattr(counters, name, value)
+    with pytest.raises(UnrepresentableStateError, match=f"counters/{name}"):
+        counters.to_state()
+    state = Counters().to_state()
+    state[name] = value
+    with pytest.raises(ValueError, match=name):
+        Counters().load_state(state)
+
+
+def test_counter_extras_need_string_keys() -> None:
+    with pytest.raises(UnrepresentableStateError, match="strings"):
+        Counters(extras={1: "a"}).to_state()  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("ranks", [(0, 0), (0, 2)])
+def test_manifest_ranks_are_distinct_and_below_world_size(ranks: tuple[int, ...]) -> None:
+    with pytest.raises(ValidationError, match="distinct and below world_size"):
+        Manifest(
+            run="r",
+            step=1,
+            world_size=2,
+            created_at="now",
+            versions=Versions(ckpt="0", python="3", torch="2"),
+            ranks=tuple(RankRecord(rank=rank, layers={}) for rank in ranks),
+        )

@@ -147,10 +147,55 @@ def test_numpy_scalars_round_trip_with_their_dtype(scalar: np.generic) -> None:
     assert same(round_trip([scalar]), [scalar])
 
 
-@pytest.mark.parametrize("value", [1.5, -0.0, 1e300])
-def test_finite_numpy_float64_keeps_its_value(value: float) -> None:
-    # np.float64 subclasses float, so it is stored as a plain JSON number.
-    assert same(round_trip([np.float64(value)]), [value])
+@pytest.mark.parametrize("value", [1.5, -0.0, 1e300, math.inf, -math.inf, math.nan])
+def test_numpy_float64_keeps_its_type_and_value(value: float) -> None:
+    # np.float64 subclasses float; it must not be stored as repr() text "np.float64(inf)".
+    assert same(round_trip([np.float64(value)]), [np.float64(value)])
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array(3.5),
+        np.arange(6, dtype=">f4").reshape(2, 3),
+        np.arange(6, dtype=np.int16)[::2],
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+    ],
+    ids=["0-d", "big-endian", "strided", "fortran"],
+)
+def test_arrays_keep_shape_and_values(array: np.ndarray) -> None:
+    (restored,) = round_trip([array])
+    assert restored.shape == array.shape
+    assert np.array_equal(restored, array)
+
+
+def test_a_read_only_array_is_copied_without_warning() -> None:
+    array = np.arange(3)
+    array.flags.writeable = False
+    (restored,) = round_trip([array])
+    assert np.array_equal(restored, array)
+
+
+@pytest.mark.parametrize("key", [b"k", np.int64(3), torch.float32, torch.device("cpu"), (1, b"x")])
+def test_dict_keys_that_cannot_come_back_are_refused_at_save(key: object) -> None:
+    with pytest.raises(UnrepresentableStateError, match="a dict key"):
+        skeleton.encode({"outer": {key: 1}}, root=("extras",))
+
+
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        {"$dict": [[1, 2, 3]]},
+        {"$numpy": ["zz", 1]},
+        {"$numpy": ["|i1", 1000]},
+        {"$bytes": "!!"},
+        {"$device": "nope"},
+        {"$dict": [[{"$tuple": [[1]]}, 1]]},
+    ],
+)
+def test_malformed_tags_raise_bundle_format_error(crafted: Any) -> None:
+    with pytest.raises(BundleFormatError):
+        skeleton.decode(crafted, {})
 
 
 def test_tensors_are_stored_by_key_path_and_decoded_by_name() -> None:

@@ -274,3 +274,33 @@ def test_invalid_run_names(run: str) -> None:
         keys.check_run_name(run)
     with pytest.raises(ValueError, match="invalid run name"):
         keys.manifest_key(run, 1)
+
+
+def test_a_directory_store_url_reopens_the_same_directory(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "a b%20c")
+    assert open_store(store.url).root == store.root  # type: ignore[attr-defined]
+
+
+def test_a_file_url_with_a_host_is_refused() -> None:
+    with pytest.raises(ValueError, match="file:///absolute/path"):
+        open_store("file://relative/path")
+
+
+@pytest.mark.parametrize("key", ["a/.x", ".hidden", "a/.b/c"])
+def test_keys_with_dot_parts_are_reserved(store: DirectoryStore, key: str) -> None:
+    with pytest.raises(ValueError, match="invalid object key"):
+        store.put(key, [b"1"])
+
+
+@pytest.mark.parametrize("run", ["run\n", "run\nx"])
+def test_run_names_with_newlines_are_refused(run: str) -> None:
+    with pytest.raises(ValueError, match="invalid run name"):
+        keys.check_run_name(run)
+
+
+def test_manifest_step_needs_the_whole_key() -> None:
+    assert keys.manifest_step(keys.manifest_key("r", 1) + "\n") is None
+
+
+def test_steps_past_twelve_digits_still_parse() -> None:
+    assert keys.manifest_step(keys.manifest_key("r", 10**12)) == 10**12
