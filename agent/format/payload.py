@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from agent.errors import BundleFormatError, UnrepresentableStateError
+from agent.format.dtypes import DTYPES, TORCH_DTYPES
 from agent.format.skeleton import JSON
 from service.contract import TensorEntry
 
@@ -27,24 +28,6 @@ SKELETON_KEY = "ckpt.skeleton"
 _LENGTH = struct.Struct("<Q")
 _MAX_HEADER_BYTES = 1 << 30
 
-DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -96,7 +79,9 @@ def layout(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> PayloadLayout
     index: dict[str, TensorEntry] = {}
     ordered: list[tuple[str, torch.Tensor]] = []
     offset = 0
-    for name, tensor in tensors.items():
+    # Widest dtypes first (a stable sort): every tensor then starts at a multiple of its
+    # element size, since safetensors allows no padding between tensors.
+    for name, tensor in sorted(tensors.items(), key=lambda item: -item[1].element_size()):
         if name == "__metadata__":
             raise UnrepresentableStateError("a tensor may not be named __metadata__")
         code = DTYPES.get(tensor.dtype)
@@ -157,10 +142,10 @@ def parse_header(payload: memoryview) -> Header:
 def _check_offsets(index: Mapping[str, TensorEntry], *, data_size: int) -> None:
     cursor = 0
     for name, entry in sorted(index.items(), key=lambda item: item[1].data_offsets):
-        if entry.dtype not in _TORCH_DTYPES:
+        if entry.dtype not in TORCH_DTYPES:
             raise BundleFormatError(f"tensor {name!r} has unknown dtype {entry.dtype!r}")
         begin, end = entry.data_offsets
-        itemsize = _TORCH_DTYPES[entry.dtype].itemsize
+        itemsize = TORCH_DTYPES[entry.dtype].itemsize
         numel = 1
         for dim in entry.shape:
             numel *= dim
@@ -177,7 +162,7 @@ def read_tensors(payload: bytearray, header: Header) -> dict[str, torch.Tensor]:
     """Views into ``payload`` for every tensor the header lists (no copies)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header.index.items():
-        dtype = _TORCH_DTYPES[entry.dtype]
+        dtype = TORCH_DTYPES[entry.dtype]
         begin, end = entry.data_offsets
         if end == begin:
             tensors[name] = torch.empty(entry.shape, dtype=dtype)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from agent.errors import BundleFormatError, UnrepresentableStateError
+from agent.format.dtypes import DTYPES
 
 JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | None
 KeyPath: TypeAlias = tuple[object, ...]
@@ -111,6 +112,11 @@ class _Encoder:
             )
         if tensor.device.type == "meta":
             raise UnrepresentableStateError(f"{render_path(path)}: a meta tensor holds no data")
+        if tensor.dtype not in DTYPES:
+            raise UnrepresentableStateError(
+                f"{render_path(path)}: dtype {tensor.dtype} has no safetensors code; "
+                f"store it as one of {', '.join(str(d) for d in DTYPES)}"
+            )
         known = self._names.get(id(tensor))
         if known is not None:  # the same tensor object twice (tied weights): store it once
             return known

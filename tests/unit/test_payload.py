@@ -83,8 +83,11 @@ def test_layout_size_and_spans_describe_the_bytes() -> None:
     assert spans[0] == (0, len(plan.header))
     assert [end for _, end in spans[:-1]] == [begin for begin, _ in spans[1:]]
     assert spans[-1][1] == plan.size
-    for (name, tensor), (begin, end) in zip(tensors.items(), spans[1:], strict=True):
+    assert sorted(name for name, _ in plan.tensors) == sorted(tensors)
+    for (name, tensor), (begin, end) in zip(plan.tensors, spans[1:], strict=True):
         assert end - begin == tensor.numel() * tensor.element_size(), name
+        # Widest dtypes first: each tensor is aligned to its element size in the payload.
+        assert begin % tensor.element_size() == 0, name
 
 
 def test_pieces_are_zero_copy_views_of_the_tensors() -> None:

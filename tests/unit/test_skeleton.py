@@ -408,3 +408,8 @@ def test_decode_of_every_tag_needs_no_pickle() -> None:
 def test_render_path_joins_keys_with_slashes() -> None:
     assert skeleton.render_path(("optimizer", "state", 3, "exp_avg")) == "optimizer/state/3/exp_avg"
     assert skeleton.render_path(()) == ""
+
+
+def test_a_dtype_without_safetensors_code_is_refused_at_encode_with_its_path() -> None:
+    with pytest.raises(UnrepresentableStateError, match=r"optimizer/state/0/z: dtype torch.complex64"):
+        skeleton.encode({"state": {0: {"z": torch.zeros(2, dtype=torch.complex64)}}}, root=("optimizer",))
