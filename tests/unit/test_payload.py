@@ -14,8 +14,9 @@ from safetensors import safe_open
 
 from agent.errors import BundleFormatError, UnrepresentableStateError
 from agent.format import payload, skeleton
-from agent.format.payload import SKELETON_KEY, PayloadLayout
+from agent.format.payload import SKELETON_KEY, Header, PayloadLayout
 from agent.format.skeleton import JSON
+from service.contract import TensorEntry
 
 
 def full_bytes(plan: PayloadLayout) -> bytes:
@@ -127,26 +128,46 @@ def test_parse_header_reads_back_the_layout() -> None:
     assert header.index == PLAN.index
 
 
-def test_read_tensors_round_trip() -> None:
-    tensors = sample_tensors()
-    buffer = bytearray(full_bytes(payload.layout(SKELETON, tensors)))
+def read_back(raw: bytes, *, chunk: int | None = None) -> tuple[dict[str, torch.Tensor], Header]:
+    """Parse a payload's header, allocate its tensors and scatter its bytes into them."""
+    header = payload.parse_header(memoryview(raw))
+    target = payload.allocate(header.index, header_bytes=header.size)
+    step = chunk or len(raw) or 1
+    for start in range(0, len(raw), step):
+        payload.scatter(target, start, memoryview(raw)[start : start + step])
+    assert bytes(target.header) == raw[: header.size]
+    return dict(target.tensors), header
 
-    header = payload.parse_header(memoryview(buffer))
-    result = payload.read_tensors(buffer, header)
+
+def test_read_back_round_trip() -> None:
+    tensors = sample_tensors()
+    result, _ = read_back(full_bytes(payload.layout(SKELETON, tensors)))
 
     assert set(result) == set(tensors)
     for name, tensor in tensors.items():
         assert bit_equal(result[name], tensor), name
 
 
-def test_read_tensors_returns_views_into_the_buffer() -> None:
-    buffer = bytearray(full_bytes(payload.layout({}, {"t": torch.zeros(2, dtype=torch.uint8)})))
-    header = payload.parse_header(memoryview(buffer))
-    result = payload.read_tensors(buffer, header)
+@settings(database=None, deadline=None, max_examples=50)
+@given(st.integers(1, 97))
+def test_scatter_in_any_chunks_rebuilds_the_tensors(chunk: int) -> None:
+    tensors = sample_tensors()
+    result, _ = read_back(full_bytes(payload.layout(SKELETON, tensors)), chunk=chunk)
+    for name, tensor in tensors.items():
+        assert bit_equal(result[name], tensor), name
 
-    buffer[header.size + 1] = 9
 
-    assert result["t"].tolist() == [0, 9]
+def test_allocated_tensors_own_their_memory() -> None:
+    raw = full_bytes(payload.layout({}, {"a": torch.zeros(3), "b": torch.ones(5)}))
+    result, _ = read_back(raw)
+    assert all(t.storage_offset() == 0 and t.is_contiguous() for t in result.values())
+    assert result["a"].untyped_storage().data_ptr() != result["b"].untyped_storage().data_ptr()
+
+
+def test_allocate_refuses_an_inconsistent_index() -> None:
+    index = {"a": TensorEntry(dtype="F32", shape=(2,), data_offsets=(0, 4))}
+    with pytest.raises(BundleFormatError):
+        payload.allocate(index, header_bytes=8)
 
 
 dtypes = st.sampled_from(
@@ -168,10 +189,8 @@ def test_any_tensor_mix_round_trips(specs: list[tuple[torch.dtype, list[int]]], 
         for i, (dtype, shape) in enumerate(specs)
     }
     state, named = skeleton.encode(list(tensors.values()))
-    buffer = bytearray(full_bytes(payload.layout(state, named)))
-
-    header = payload.parse_header(memoryview(buffer))
-    result = skeleton.decode(header.skeleton, payload.read_tensors(buffer, header))
+    tensors_back, header = read_back(full_bytes(payload.layout(state, named)))
+    result = skeleton.decode(header.skeleton, tensors_back)
 
     assert len(result) == len(tensors)
     for got, expected in zip(result, tensors.values(), strict=True):
@@ -284,3 +303,19 @@ def test_parse_header_rejects_unknown_dtypes(dtype: str) -> None:
 def test_parse_header_rejects_malformed_headers(bad: memoryview) -> None:
     with pytest.raises(BundleFormatError):
         payload.parse_header(bad)
+
+
+def test_unaligned_tensors_from_other_writers_are_read() -> None:
+    header_json = json.dumps(
+        {
+            "__metadata__": {SKELETON_KEY: "{}"},
+            "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [1, 9]},
+        }
+    ).encode()
+    data = bytes([7]) + torch.tensor([1.5, -2.0]).numpy().tobytes()
+    raw = len(header_json).to_bytes(8, "little") + header_json + data
+    result, _ = read_back(raw)
+
+    assert result["a"].tolist() == [7]
+    assert result["b"].tolist() == [1.5, -2.0]

@@ -411,5 +411,9 @@ def test_render_path_joins_keys_with_slashes() -> None:
 
 
 def test_a_dtype_without_safetensors_code_is_refused_at_encode_with_its_path() -> None:
-    with pytest.raises(UnrepresentableStateError, match=r"optimizer/state/0/z: dtype torch.complex64"):
-        skeleton.encode({"state": {0: {"z": torch.zeros(2, dtype=torch.complex64)}}}, root=("optimizer",))
+    with pytest.raises(
+        UnrepresentableStateError, match=r"optimizer/state/0/z: dtype torch.complex64"
+    ):
+        skeleton.encode(
+            {"state": {0: {"z": torch.zeros(2, dtype=torch.complex64)}}}, root=("optimizer",)
+        )
