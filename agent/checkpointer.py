@@ -80,6 +80,7 @@ class SaveResult:
 
 
 def _named(objects: T | Iterable[T] | Mapping[str, T] | None, kind: type[Any]) -> dict[str, T]:
+    """``{name: object}`` from one object (named "0"), a list (named by position) or a dict."""
     if objects is None:
         return {}
     if isinstance(objects, Mapping):
@@ -158,7 +159,7 @@ class Checkpointer:
         self.objects = TrainingObjects(
             models=_named(models, nn.Module),
             optimizers=_named(optimizers, torch.optim.Optimizer),
-            schedulers=_named(schedulers, object),
+            schedulers=_named(schedulers, Stateful),
             scaler=scaler,
             data=layers.data_source(data) if data is not None else None,
             extras=dict(extras or {}),

@@ -269,3 +269,41 @@ def test_master_weights_generators_extras_and_named_objects_round_trip(tmp_path:
             assert all(
                 torch.equal(value, after["state"][index][key]) for key, value in state.items()
             )
+
+
+def test_a_list_of_schedulers_is_saved_as_separate_objects(tmp_path: Path) -> None:
+    def build() -> tuple[Checkpointer, list[torch.optim.lr_scheduler.LRScheduler]]:
+        model = nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        schedulers: list[torch.optim.lr_scheduler.LRScheduler] = [
+            torch.optim.lr_scheduler.StepLR(optimizer, step_size=2),
+            torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5),
+        ]
+        ckpt = Checkpointer(
+            run="schedulers",
+            store=DirectoryStore(tmp_path),
+            models=model,
+            optimizers=optimizer,
+            schedulers=schedulers,
+        )
+        return ckpt, schedulers
+
+    ckpt, schedulers = build()
+    assert set(ckpt.objects.schedulers) == {"0", "1"}
+    for _ in range(3):
+        ckpt.objects.optimizers["0"].step()
+        for scheduler in schedulers:
+            scheduler.step()
+    ckpt.save()
+    fresh, restored = build()
+    fresh.resume()
+    assert [s.state_dict() for s in restored] == [s.state_dict() for s in schedulers]
+
+
+def test_a_save_before_the_first_optimizer_step_resumes(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    ckpt, _, _ = make(store)
+    ckpt.save()
+    fresh, _, optimizer = make(store)
+    assert fresh.resume().step == 0
+    assert optimizer.state_dict()["state"] == {}
