@@ -3,8 +3,6 @@
 from agent import Checkpointer, ResumableSampler, PerSampleRNG
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
 from agent.checkpointer import Checkpointer, ResumeResult, SaveResult
 from agent.counters import Counters
 from agent.data import PerSampleRNG, ResumableSampler
@@ -16,12 +14,8 @@ from agent.errors import (
     StoreError,
     UnrepresentableStateError,
 )
+from service import __version__
 from service.contract import Layer
-
-try:
-    __version__ = version("ckpt")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
 
 __all__ = [
     "BundleFormatError",

@@ -21,12 +21,12 @@ from typing import TypeVar
 import torch
 from pydantic import ValidationError
 
-import agent
 from agent.errors import BundleFormatError, CorruptBundleError, StoreError
 from agent.format import payload
 from agent.format.chunking import plan_blobs
 from agent.format.skeleton import JSON
 from agent.storage import ObjectStore, keys
+from service import __version__
 from service.contract import (
     BlobRef,
     Layer,
@@ -80,9 +80,19 @@ def _sha256(pieces: Iterator[memoryview]) -> str:
 
 
 def upload_layer(
-    store: ObjectStore, state: LayerState, *, blob_bytes: int, stats: WriteStats
+    store: ObjectStore,
+    state: LayerState,
+    *,
+    blob_bytes: int,
+    stats: WriteStats,
+    verified: set[str],
 ) -> LayerRecord:
-    """Lay out one payload, hash its blobs and put those the store does not hold yet."""
+    """Lay out one payload, hash its blobs and put those the store does not hold intact.
+
+    ``verified`` holds blobs known to be intact in the store (written or checked by this
+    process); a blob the store holds but that is not known is read back and hashed once
+    before it is trusted, so a damaged blob is rewritten rather than referenced again.
+    """
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes)
     hashes = _parallel(lambda span: _sha256(plan.pieces(*span)), ranges)
@@ -90,15 +100,17 @@ def upload_layer(
         BlobRef(sha256=sha, size=end - start)
         for sha, (start, end) in zip(hashes, ranges, strict=True)
     ]
-    missing: dict[str, tuple[int, int]] = {}
-    for blob, span in zip(blobs, ranges, strict=True):
-        if blob.sha256 not in stats.seen and store.size(keys.blob_key(blob.sha256)) != blob.size:
-            missing[blob.sha256] = span
-        stats.seen.add(blob.sha256)
-    _parallel(
-        lambda item: store.put(keys.blob_key(item[0]), plan.pieces(*item[1])), missing.items()
-    )
-    stats.new_bytes += sum(end - start for start, end in missing.values())
+    unknown = {
+        blob.sha256: (blob, span)
+        for blob, span in zip(blobs, ranges, strict=True)
+        if blob.sha256 not in stats.seen and blob.sha256 not in verified
+    }
+    stats.seen.update(hashes)
+    intact = _parallel(lambda item: _stored_intact(store, item[0]), unknown.values())
+    missing = [item for item, ok in zip(unknown.values(), intact, strict=True) if not ok]
+    _parallel(lambda item: store.put(keys.blob_key(item[0].sha256), plan.pieces(*item[1])), missing)
+    verified.update(unknown)
+    stats.new_bytes += sum(blob.size for blob, _ in missing)
     stats.new_blobs += len(missing)
     stats.payload_bytes += plan.size
     stats.blobs += len(blobs)
@@ -108,6 +120,19 @@ def upload_layer(
         blobs=tuple(blobs),
         tensors=plan.index,
     )
+
+
+def _stored_intact(store: ObjectStore, blob: BlobRef) -> bool:
+    """Whether the store holds ``blob`` with the right size and SHA-256."""
+    key = keys.blob_key(blob.sha256)
+    if store.size(key) != blob.size:
+        return False
+    buffer = torch.empty(blob.size, dtype=torch.uint8).numpy().data
+    try:
+        store.read_into(key, buffer)
+    except StoreError:
+        return False
+    return hashlib.sha256(buffer).hexdigest() == blob.sha256
 
 
 def commit_bundle(
@@ -125,7 +150,7 @@ def commit_bundle(
         world_size=world_size,
         created_at=datetime.now(UTC).isoformat(),
         versions=Versions(
-            ckpt=agent.__version__, python=platform.python_version(), torch=torch.__version__
+            ckpt=__version__, python=platform.python_version(), torch=torch.__version__
         ),
         ranks=tuple(
             RankRecord(rank=rank, layers=dict(layers)) for rank, layers in sorted(ranks.items())

@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -24,10 +23,12 @@ from agent.bundle import (
 )
 from agent.config import Config
 from agent.counters import Counters
-from agent.errors import IncompatibleBundleError
+from agent.data import Resumed, data_source
+from agent.errors import CkptError, IncompatibleBundleError
 from agent.format import skeleton
-from agent.layers import Stateful, TrainingObjects
+from agent.layers import TrainingObjects
 from agent.policy import Position, SavePolicy
+from agent.stateful import Stateful
 from agent.storage import ObjectStore, open_store
 from service.contract import RESTORE_ORDER, Layer, Manifest
 
@@ -107,8 +108,8 @@ class Checkpointer:
             ``StatefulDataLoader``, or any stateful object.
         scaler: an AMP ``GradScaler``.
         extras: other stateful objects (an EMA...), saved with the weights.
-        generators: ``torch.Generator`` / ``numpy.random.Generator`` objects to capture
-            with the global RNGs.
+        generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
+            objects to capture with the global RNGs.
         store, server, token, every_steps, every_seconds, blob_bytes: see ``Config``.
 
     Raises:
@@ -128,7 +129,7 @@ class Checkpointer:
         data: object | None = None,
         scaler: Stateful | None = None,
         extras: Mapping[str, Stateful] | None = None,
-        generators: Mapping[str, torch.Generator | np.random.Generator] | None = None,
+        generators: Mapping[str, layers.Generator] | None = None,
         store: str | ObjectStore | None = None,
         server: str | None = None,
         token: str | None = None,
@@ -161,17 +162,24 @@ class Checkpointer:
             optimizers=_named(optimizers, torch.optim.Optimizer),
             schedulers=_named(schedulers, Stateful),
             scaler=scaler,
-            data=layers.data_source(data) if data is not None else None,
+            data=data_source(data) if data is not None else None,
             extras=dict(extras or {}),
             generators=dict(generators or {}),
         )
         if not self.objects.models:
             raise ValueError("pass at least one model: Checkpointer(models=model, ...)")
+        for name, generator in self.objects.generators.items():
+            if not isinstance(generator, layers.GENERATOR_TYPES):
+                raise ValueError(
+                    f"generators[{name!r}] is a {type(generator).__name__}; pass torch.Generator, "
+                    "numpy.random.Generator or numpy.random.RandomState objects"
+                )
         self.rank = 0
         self.world_size = 1
         self._last_saved: Position | None = None
         self._last_save_time = time.monotonic()
-        self._resumed_mid_epoch = False
+        self._resumed: Resumed | None = None
+        self._verified: set[str] = set()  # blobs known to be intact in the store
 
     @property
     def counters(self) -> Counters:
@@ -192,9 +200,11 @@ class Checkpointer:
             Which bundle was restored (``bundle=None`` when there was none).
 
         Raises:
-            CorruptBundleError: a blob does not match its manifest; nothing is silently skipped.
-            IncompatibleBundleError: the bundle does not fit these objects.
-            BundleFormatError: the bundle is malformed.
+            CorruptBundleError: a blob does not match its manifest. Every layer is read and
+                verified before any is restored, so the objects are left untouched.
+            BundleFormatError: the bundle is malformed (objects untouched, as above).
+            IncompatibleBundleError: the bundle does not fit these objects. The layers before
+                the one that failed are already restored: rebuild the objects before training.
         """
         wanted = {Layer(layer) for layer in layers}
         manifest = latest_manifest(self.store, self.config.run)
@@ -204,14 +214,23 @@ class Checkpointer:
             )
             return ResumeResult(bundle=None, step=None, layers=())
         self._check_compatible(manifest)
+        name = bundle_name(manifest)
         restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
+        states = {layer: self._read(manifest, layer) for layer in restored}
         for layer in restored:
-            skeleton_json, tensors = read_layer(self.store, manifest, rank=self.rank, layer=layer)
-            _RESTORE[layer](self.objects, skeleton.decode(skeleton_json, tensors))
+            try:
+                _RESTORE[layer](self.objects, states.pop(layer))
+            except CkptError:
+                raise
+            except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as err:
+                raise IncompatibleBundleError(
+                    f"bundle {name}: its {layer} layer does not fit these objects ({err}); "
+                    f"the layers before it are already restored, so rebuild the objects "
+                    "before training"
+                ) from err
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
-        self._resumed_mid_epoch = self.counters.batch > 0
-        name = bundle_name(manifest)
+        self._resumed = Resumed(epoch=self.counters.epoch, batch=self.counters.batch)
         log.info(
             "run %s: resumed from %s (step %d, layers %s)",
             self.config.run,
@@ -220,6 +239,13 @@ class Checkpointer:
             [str(x) for x in restored],
         )
         return ResumeResult(bundle=name, step=manifest.step, layers=restored)
+
+    def _read(self, manifest: Manifest, layer: Layer) -> layers.State:
+        skeleton_json, tensors = read_layer(self.store, manifest, rank=self.rank, layer=layer)
+        record = next(r for r in manifest.ranks if r.rank == self.rank).layers[layer]
+        self._verified.update(blob.sha256 for blob in record.blobs)
+        state: layers.State = skeleton.decode(skeleton_json, tensors)
+        return state
 
     def _check_compatible(self, manifest: Manifest) -> None:
         if manifest.world_size != self.world_size:
@@ -248,8 +274,8 @@ class Checkpointer:
             raise ValueError("batches() needs data=: pass the loader to the Checkpointer")
         counters = self.counters
         source.begin_epoch(counters.epoch)
-        resuming, self._resumed_mid_epoch = self._resumed_mid_epoch, False
-        for batch in source.batches(resuming_mid_epoch=resuming):
+        resumed, self._resumed = self._resumed, None
+        for batch in source.batches(resumed=resumed):
             counters.batch += 1
             source.consumed()
             yield batch
@@ -274,7 +300,13 @@ class Checkpointer:
         states = self._capture()
         stats = WriteStats()
         records = {
-            layer: upload_layer(self.store, state, blob_bytes=self.config.blob_bytes, stats=stats)
+            layer: upload_layer(
+                self.store,
+                state,
+                blob_bytes=self.config.blob_bytes,
+                stats=stats,
+                verified=self._verified,
+            )
             for layer, state in states.items()
         }
         manifest = commit_bundle(

@@ -11,12 +11,15 @@ function of its position in the run rather than of the worker's history.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sized
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable, Iterator, Sized
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, get_worker_info
+
+from agent.stateful import Stateful
 
 T_co = TypeVar("T_co", covariant=True)
 _MASK64 = (1 << 64) - 1
@@ -148,3 +151,193 @@ class PerSampleRNG(Dataset[T_co], Generic[T_co]):
             np.random.seed(seed & 0xFFFF_FFFF)
             torch.manual_seed(seed)
         return self.dataset[int(index)]
+
+
+# -- how the checkpointer drives each kind of data pipeline ------------------------------
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """Where the restored run stood in its data when the first iterator is created."""
+
+    epoch: int
+    batch: int
+
+
+class DataSource(Protocol):
+    """How the checkpointer drives and captures one kind of data pipeline."""
+
+    def begin_epoch(self, epoch: int) -> None: ...
+
+    def batches(self, *, resumed: Resumed | None) -> Iterator[Any]: ...
+
+    def consumed(self) -> None: ...
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def _set_epoch(target: object, epoch: int) -> None:
+    set_epoch = getattr(target, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
+def _iterate_loader(loader: DataLoader[Any], *, resumed: Resumed | None) -> Iterator[Any]:
+    """``iter(loader)``, leaving the global torch generator as the uninterrupted run had it.
+
+    Creating a DataLoader iterator draws the workers' base seed from ``loader.generator``, or
+    from the global generator when that is None. The uninterrupted run drew it when the
+    epoch started, or only once per run with ``persistent_workers``; the first iterator
+    after a resume must not draw again from the global generator the rng layer just restored.
+    (A loader's own generator is the loader's state, restored with the data layer.)
+    """
+    redundant = resumed is not None and (
+        resumed.batch > 0 or (loader.persistent_workers and resumed.epoch > 0)
+    )
+    saved = torch.get_rng_state() if redundant and loader.generator is None else None
+    iterator = iter(loader)
+    if saved is not None:
+        torch.set_rng_state(saved)
+    return iterator
+
+
+def _refuse_frozen_epoch(loader: DataLoader[Any]) -> None:
+    if (
+        loader.persistent_workers
+        and isinstance(loader.dataset, PerSampleRNG)
+        and not isinstance(loader.sampler, ResumableSampler)
+    ):
+        raise ValueError(
+            "PerSampleRNG cannot see the epoch inside persistent workers unless the indices "
+            "come from ResumableSampler (which carries it): use sampler=ResumableSampler(...) "
+            "or persistent_workers=False"
+        )
+
+
+class SamplerLoader:
+    """A plain ``DataLoader`` shuffling through a ``ResumableSampler``."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        if not isinstance(loader.sampler, ResumableSampler) or loader.batch_size is None:
+            raise ValueError(
+                "a plain DataLoader resumes only through ckpt's sampler: "
+                "DataLoader(dataset, batch_size=..., sampler=ResumableSampler(dataset, seed=...)); "
+                "or use torchdata's StatefulDataLoader"
+            )
+        self.loader = loader
+        self.sampler: ResumableSampler = loader.sampler
+        self.batch_size: int = loader.batch_size
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+        _set_epoch(self.loader.dataset, epoch)
+
+    def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
+        return _iterate_loader(self.loader, resumed=resumed)
+
+    def consumed(self) -> None:
+        self.sampler.advance(self.batch_size)
+
+    def state_dict(self) -> Any:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+
+class SamplerItems:
+    """A bare ``ResumableSampler`` iterated for its indices, one consumed per item."""
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self.sampler = sampler
+
+    def begin_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
+        return iter(self.sampler)
+
+    def consumed(self) -> None:
+        self.sampler.advance(1)
+
+    def state_dict(self) -> Any:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def _is_shuffling_sampler(sampler: object) -> bool:
+    try:
+        from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+    except ImportError:
+        return isinstance(sampler, RandomSampler)
+    return isinstance(sampler, RandomSampler | StatefulRandomSampler)
+
+
+class StatefulSource:
+    """Any iterable (or not) with ``state_dict``/``load_state_dict``: a ``StatefulDataLoader``,
+    a user's stream. Its own state says which batch comes next."""
+
+    def __init__(self, source: Stateful) -> None:
+        if isinstance(source, DataLoader):
+            _check_stateful_loader(source)
+        self.source = source
+
+    def begin_epoch(self, epoch: int) -> None:
+        _set_epoch(getattr(self.source, "sampler", None), epoch)
+        _set_epoch(getattr(self.source, "dataset", self.source), epoch)
+
+    def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
+        if isinstance(self.source, DataLoader):
+            return _iterate_loader(self.source, resumed=resumed)
+        if not isinstance(self.source, Iterable):
+            raise TypeError(f"{type(self.source).__name__} is not iterable; iterate it yourself")
+        return iter(self.source)
+
+    def consumed(self) -> None:
+        return None
+
+    def state_dict(self) -> Any:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.source.load_state_dict(state)
+
+
+def _check_stateful_loader(loader: DataLoader[Any]) -> None:
+    if loader.num_workers == 0:
+        raise ValueError(
+            "a StatefulDataLoader with num_workers=0 does not restore the shuffle order of the "
+            "epochs after a resume (torchdata 0.11); use num_workers >= 1, or a plain "
+            "DataLoader with ckpt's ResumableSampler"
+        )
+    if loader.generator is None and _is_shuffling_sampler(loader.sampler):
+        raise ValueError(
+            "this loader shuffles with a generator seeded from the global RNG; pass "
+            "generator=torch.Generator().manual_seed(SEED) to it (or use ckpt's "
+            "ResumableSampler) so a resume does not shift the global random stream"
+        )
+    _refuse_frozen_epoch(loader)
+
+
+def data_source(data: object) -> DataSource:
+    """The adapter for what the loop iterates.
+
+    Raises:
+        ValueError: a loader that cannot resume, with what to change.
+        TypeError: an object with no state to capture.
+    """
+    if isinstance(data, ResumableSampler):
+        return SamplerItems(data)
+    if isinstance(data, DataLoader) and not isinstance(data, Stateful):
+        _refuse_frozen_epoch(data)
+        return SamplerLoader(data)
+    if isinstance(data, Stateful):
+        return StatefulSource(data)
+    raise TypeError(
+        f"data={type(data).__name__} has no state_dict()/load_state_dict(); pass a DataLoader "
+        "with ckpt's ResumableSampler, a torchdata StatefulDataLoader, or a stateful object"
+    )

@@ -9,32 +9,24 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
 
 from agent.counters import Counters
-from agent.data import ResumableSampler
+from agent.data import DataSource
 from agent.errors import IncompatibleBundleError
+from agent.stateful import Stateful
 
 State = dict[str, Any]
 
 
-@runtime_checkable
-class Stateful(Protocol):
-    """The two-method contract ckpt asks of user objects."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
-
-
-Generator = torch.Generator | np.random.Generator
+Generator = torch.Generator | np.random.Generator | np.random.RandomState
+GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState)
 
 
 @dataclass
@@ -182,10 +174,32 @@ def capture_rng(objects: TrainingObjects) -> State:
     }
 
 
-def _generator_state(generator: Generator) -> State:
+def _generator_kind(generator: Generator) -> str:
     if isinstance(generator, torch.Generator):
-        return {"torch": generator.get_state()}
-    return {"numpy": generator.bit_generator.state}
+        return "torch"
+    return (
+        "numpy.RandomState" if isinstance(generator, np.random.RandomState) else "numpy.Generator"
+    )
+
+
+def _generator_state(generator: Generator) -> State:
+    if isinstance(generator, np.random.Generator):
+        return {"numpy.Generator": generator.bit_generator.state}
+    if isinstance(generator, np.random.RandomState):
+        return {"numpy.RandomState": generator.get_state(legacy=False)}
+    return {"torch": generator.get_state()}
+
+
+def _set_generator_state(name: str, generator: Generator, saved: State) -> None:
+    kind = _generator_kind(generator)
+    if set(saved) != {kind}:
+        raise IncompatibleBundleError(
+            f"generator {name!r}: the bundle holds a {sorted(saved)} state, this is a {kind}"
+        )
+    if isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = saved[kind]
+    else:
+        generator.set_state(saved[kind])
 
 
 def restore_rng(objects: TrainingObjects, state: State) -> None:
@@ -198,134 +212,14 @@ def restore_rng(objects: TrainingObjects, state: State) -> None:
     _same_names("registered generators", objects.generators, state["generators"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"].clone())
+    torch.set_rng_state(state["torch"])
     if devices:
-        torch.cuda.set_rng_state_all([s.clone() for s in state["cuda"]])
+        torch.cuda.set_rng_state_all(state["cuda"])
     for name, generator in objects.generators.items():
-        saved = state["generators"][name]
-        if isinstance(generator, torch.Generator):
-            generator.set_state(saved["torch"].clone())
-        else:
-            generator.bit_generator.state = saved["numpy"]
+        _set_generator_state(name, generator, state["generators"][name])
 
 
-# -- data --------------------------------------------------------------------------------
-
-
-class DataSource(Protocol):
-    """How the checkpointer drives and captures one kind of data pipeline."""
-
-    def begin_epoch(self, epoch: int) -> None: ...
-
-    def batches(self, *, resuming_mid_epoch: bool) -> Iterator[Any]: ...
-
-    def consumed(self) -> None: ...
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-def _set_epoch(target: object, epoch: int) -> None:
-    set_epoch = getattr(target, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
-
-
-def _iterate_loader(loader: DataLoader[Any], *, resuming_mid_epoch: bool) -> Iterator[Any]:
-    # Creating a DataLoader iterator draws the workers' base seed from loader.generator, or
-    # from the global generator when that is None. The uninterrupted run drew it at the start
-    # of the epoch, so a re-entry in the middle of one must not advance the global generator
-    # that the rng layer just restored. (A loader's own generator belongs to the loader's
-    # state, which restores it as part of the data layer.)
-    saved = torch.get_rng_state() if resuming_mid_epoch and loader.generator is None else None
-    iterator = iter(loader)
-    if saved is not None:
-        torch.set_rng_state(saved)
-    return iterator
-
-
-class SamplerLoader:
-    """A plain ``DataLoader`` shuffling through a ``ResumableSampler``."""
-
-    def __init__(self, loader: DataLoader[Any]) -> None:
-        if not isinstance(loader.sampler, ResumableSampler) or loader.batch_size is None:
-            raise ValueError(
-                "a plain DataLoader resumes only through ckpt's sampler: "
-                "DataLoader(dataset, batch_size=..., sampler=ResumableSampler(dataset, seed=...)); "
-                "or use torchdata's StatefulDataLoader"
-            )
-        self.loader = loader
-        self.sampler: ResumableSampler = loader.sampler
-        self.batch_size: int = loader.batch_size
-
-    def begin_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-        _set_epoch(self.loader.dataset, epoch)
-
-    def batches(self, *, resuming_mid_epoch: bool) -> Iterator[Any]:
-        return _iterate_loader(self.loader, resuming_mid_epoch=resuming_mid_epoch)
-
-    def consumed(self) -> None:
-        self.sampler.advance(self.batch_size)
-
-    def state_dict(self) -> Any:
-        return {"sampler": self.sampler.state_dict()}
-
-    def load_state_dict(self, state: Any) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-
-
-class StatefulSource:
-    """Any iterable (or not) with ``state_dict``/``load_state_dict``: a ``StatefulDataLoader``,
-    a user's stream. Its own state says which batch comes next."""
-
-    def __init__(self, source: Stateful) -> None:
-        sampler = getattr(source, "sampler", None)
-        if isinstance(sampler, RandomSampler) and sampler.generator is None:
-            raise ValueError(
-                "this loader shuffles with a generator drawn from the global RNG at every "
-                "epoch; pass generator=torch.Generator().manual_seed(SEED) to it (or use "
-                "ckpt's ResumableSampler) so a resume does not shift the global random stream"
-            )
-        self.source = source
-
-    def begin_epoch(self, epoch: int) -> None:
-        _set_epoch(getattr(self.source, "sampler", None), epoch)
-        _set_epoch(getattr(self.source, "dataset", self.source), epoch)
-
-    def batches(self, *, resuming_mid_epoch: bool) -> Iterator[Any]:
-        if isinstance(self.source, DataLoader):
-            return _iterate_loader(self.source, resuming_mid_epoch=resuming_mid_epoch)
-        if not isinstance(self.source, Iterable):
-            raise TypeError(f"{type(self.source).__name__} is not iterable; iterate it yourself")
-        return iter(self.source)
-
-    def consumed(self) -> None:
-        return None
-
-    def state_dict(self) -> Any:
-        return self.source.state_dict()
-
-    def load_state_dict(self, state: Any) -> None:
-        self.source.load_state_dict(state)
-
-
-def data_source(data: object) -> DataSource:
-    """The adapter for what the loop iterates.
-
-    Raises:
-        ValueError: a loader that cannot resume, with what to change.
-        TypeError: an object with no state to capture.
-    """
-    if isinstance(data, DataLoader) and not isinstance(data, Stateful):
-        return SamplerLoader(data)
-    if isinstance(data, Stateful):
-        return StatefulSource(data)
-    raise TypeError(
-        f"data={type(data).__name__} has no state_dict()/load_state_dict(); pass a DataLoader "
-        "with ckpt's ResumableSampler, a torchdata StatefulDataLoader, or a stateful object"
-    )
+# -- data ---------------------------------------------------------------------------------
 
 
 def capture_data(objects: TrainingObjects) -> State:

@@ -44,7 +44,9 @@ def build(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def median_seconds(action: Callable[[], object], repeat: int, before: Callable[[], object] = lambda: None) -> float:
+def median_seconds(
+    action: Callable[[], object], repeat: int, before: Callable[[], object] = lambda: None
+) -> float:
     times = []
     for _ in range(repeat):
         before()
@@ -65,7 +67,10 @@ def main() -> None:
     model, optimizer = build(args.width, args.layers)
     state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     state_bytes += sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
     )
     work = Path(tempfile.mkdtemp(dir=args.dir, prefix="ckpt-bench-"))
     try:
@@ -98,11 +103,21 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     gb = state_bytes / 1e9
-    print(f"state: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters + Adam, {gb:.3f} GB")
+    print(
+        f"state: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters + Adam, {gb:.3f} GB"
+    )
     print(f"{'':10} {'ckpt s':>8} {'GB/s':>6} {'baseline s':>11} {'GB/s':>6} {'ratio':>6}")
-    for label, ours, base in (("save", c_save, t_save), ("resave", c_resave, t_save), ("restore", c_load, t_load)):
-        print(f"{label:10} {ours:8.3f} {gb / ours:6.2f} {base:11.3f} {gb / base:6.2f} {ours / base:6.2f}")
-    print(f"resave wrote {new_bytes} new bytes of {state_bytes} (unchanged tensors are not stored again)")
+    for label, ours, base in (
+        ("save", c_save, t_save),
+        ("resave", c_resave, t_save),
+        ("restore", c_load, t_load),
+    ):
+        print(
+            f"{label:10} {ours:8.3f} {gb / ours:6.2f} {base:11.3f} {gb / base:6.2f} {ours / base:6.2f}"
+        )
+    print(
+        f"resave wrote {new_bytes} new bytes of {state_bytes} (unchanged tensors are not stored again)"
+    )
 
 
 if __name__ == "__main__":

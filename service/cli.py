@@ -9,14 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib.metadata import PackageNotFoundError, version
 
-
-def _version() -> str:
-    try:
-        return version("ckpt")
-    except PackageNotFoundError:
-        return "0+unknown"
+from service import __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ckpt", description="Bit-exact checkpoints for PyTorch training."
     )
-    parser.add_argument("--version", action="version", version=f"ckpt {_version()}")
+    parser.add_argument("--version", action="version", version=f"ckpt {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.add_parser(
         "demo",

@@ -51,6 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=10, help="save every N steps")
     parser.add_argument("--seed", type=int, default=None, help="seed of the moment of the kill")
     args = parser.parse_args(argv)
+    if args.every < 1 or args.steps < args.every + 3:
+        parser.error(f"--steps must be at least --every + 3 (got {args.steps} and {args.every})")
     chooser = random.Random(args.seed)
     kill_step = chooser.randrange(args.every + 1, args.steps - 1)
     kill_micro = chooser.randrange(ACCUMULATION)

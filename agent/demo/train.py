@@ -17,6 +17,7 @@ import os
 import random
 import signal
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,54 +76,60 @@ def warmup_cosine(total_steps: int) -> Any:
     return factor
 
 
-def make_loader(kind: str, workers: int, *, per_sample_rng: bool = True) -> Any:
-    dataset: Dataset[Any] = PerSampleRNG(NoisyBlobs(), seed=7) if per_sample_rng else NoisyBlobs()
-    if kind == "sampler":
-        sampler = ResumableSampler(NUM_SAMPLES, seed=11)
-        return DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, num_workers=workers)
+def make_loader(args: argparse.Namespace) -> Any:
+    dataset = PerSampleRNG(NoisyBlobs(), seed=7) if args.per_sample_rng else NoisyBlobs()
+    options: dict[str, Any] = {
+        "batch_size": BATCH_SIZE,
+        "num_workers": args.workers,
+        "persistent_workers": args.persistent_workers,
+    }
+    if args.loader == "sampler":
+        return DataLoader(dataset, sampler=ResumableSampler(NUM_SAMPLES, seed=11), **options)
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     generator = torch.Generator().manual_seed(11)
-    return StatefulDataLoader(
-        dataset, batch_size=BATCH_SIZE, shuffle=True, generator=generator, num_workers=workers
-    )
+    return StatefulDataLoader(dataset, shuffle=True, generator=generator, **options)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", default="demo")
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--steps", type=int, default=60, help="train until this optimizer step")
-    parser.add_argument("--total-steps", type=int, default=60, help="the LR schedule's length")
-    parser.add_argument("--every", type=int, default=None, help="save every N optimizer steps")
-    parser.add_argument(
-        "--save-at", type=str, default=None, help="STEP[.MICRO]: save exactly there"
-    )
-    parser.add_argument(
-        "--kill-after-save", action="store_true", help="SIGKILL itself right after --save-at"
-    )
-    parser.add_argument(
-        "--kill-at", type=str, default=None, help="STEP[.MICRO]: SIGKILL itself there"
-    )
-    parser.add_argument("--loader", choices=["sampler", "stateful"], default="sampler")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument(
+    add = parser.add_argument
+    add("--run", default="demo")
+    add("--store", required=True)
+    add("--out", required=True, help="where to write the final state and loss records")
+    add("--steps", type=int, default=60, help="train until this optimizer step")
+    add("--total-steps", type=int, default=60, help="the LR schedule's length")
+    add("--every", type=int, default=None, help="save every N optimizer steps")
+    add("--save-at", type=parse_position, default=None, help="STEP[.MICRO]: save exactly there")
+    add("--save-at-epoch-end", type=int, default=None, help="save after the loop over EPOCH ends")
+    add("--kill-after-save", action="store_true", help="SIGKILL itself right after that save")
+    add("--kill-at", type=parse_position, default=None, help="STEP[.MICRO]: SIGKILL itself there")
+    add("--loader", choices=["sampler", "stateful"], default="sampler")
+    add("--workers", type=int, default=2)
+    add("--persistent-workers", action="store_true")
+    add(
         "--no-per-sample-rng",
         dest="per_sample_rng",
         action="store_false",
         help="do not wrap the dataset in PerSampleRNG (shows why it exists)",
     )
-    parser.add_argument(
-        "--skip-layer", choices=[str(layer) for layer in Layer], action="append", default=[]
-    )
-    parser.add_argument(
-        "--out", required=True, help="where to write the final state and loss records"
-    )
+    add("--skip-layer", choices=[str(layer) for layer in Layer], action="append", default=[])
     return parser.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
+@dataclass
+class Job:
+    """The objects of one training process."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    ckpt: Checkpointer
+    records: list[tuple[int, int, torch.Tensor, float]] = field(default_factory=list)
+
+
+def build(args: argparse.Namespace) -> Job:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
@@ -136,81 +143,84 @@ def main(argv: Sequence[str] | None = None) -> None:
         models=model,
         optimizers=optimizer,
         schedulers=scheduler,
-        data=make_loader(args.loader, args.workers, per_sample_rng=args.per_sample_rng),
+        data=make_loader(args),
         scaler=scaler,
         every_steps=args.every,
     )
-    resumed = ckpt.resume(layers=[layer for layer in Layer if layer not in args.skip_layer])
+    return Job(model, optimizer, scheduler, scaler, ckpt)
+
+
+def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """Forward, backward, and an optimizer step every ACCUMULATION micro-batches."""
+    counters = job.ckpt.counters
+    loss = F.cross_entropy(job.model(inputs), labels) / ACCUMULATION
+    scaled: torch.Tensor = job.scaler.scale(loss)
+    torch.autograd.backward(scaled)
+    counters.micro_step += 1
+    counters.samples += len(labels)
+    lr = float(job.scheduler.get_last_lr()[0])
+    job.records.append((counters.step, counters.micro_step, loss.detach(), lr))
+    if counters.micro_step == ACCUMULATION:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+        job.optimizer.zero_grad(set_to_none=True)
+        job.scheduler.step()
+        counters.step += 1
+        counters.micro_step = 0
+
+
+def save_and_maybe_die(job: Job, *, kill: bool) -> None:
+    job.ckpt.save()
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    job = build(args)
+    counters = job.ckpt.counters
+    resumed = job.ckpt.resume(layers=[layer for layer in Layer if layer not in args.skip_layer])
     if resumed.resumed:
-        print(
-            f"resumed from {resumed.bundle} at step {ckpt.counters.step}, micro step {ckpt.counters.micro_step}",
-            flush=True,
-        )
-    save_at, kill_at = parse_position(args.save_at), parse_position(args.kill_at)
-    records: list[tuple[int, int, torch.Tensor, float]] = []
-    counters = ckpt.counters
-    model.train()
+        where = f"step {counters.step}, micro step {counters.micro_step}"
+        print(f"resumed from {resumed.bundle} at {where}", flush=True)
+    job.model.train()
     while counters.step < args.steps:
-        for inputs, labels in ckpt.batches():
-            loss = F.cross_entropy(model(inputs), labels) / ACCUMULATION
-            scaled: torch.Tensor = scaler.scale(loss)
-            torch.autograd.backward(scaled)
-            counters.micro_step += 1
-            counters.samples += len(labels)
-            records.append(
-                (
-                    counters.step,
-                    counters.micro_step,
-                    loss.detach(),
-                    float(scheduler.get_last_lr()[0]),
-                )
-            )
-            if counters.micro_step == ACCUMULATION:
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                counters.step += 1
-                counters.micro_step = 0
+        for inputs, labels in job.ckpt.batches():
+            train_micro_batch(job, inputs, labels)
             position = (counters.step, counters.micro_step)
-            if position == save_at:
-                ckpt.save()
-                if args.kill_after_save:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            ckpt.maybe_save()
-            if position == kill_at:
+            if position == args.save_at:
+                save_and_maybe_die(job, kill=args.kill_after_save)
+            job.ckpt.maybe_save()
+            if position == args.kill_at:
                 print(f"killed at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if counters.step >= args.steps:
                 break
-    torch.save(final_state(model, optimizer, scaler, records), args.out)
+        else:
+            if counters.epoch == args.save_at_epoch_end:
+                save_and_maybe_die(job, kill=args.kill_after_save)
+    torch.save(final_state(job), args.out)
 
 
-def parse_position(text: str | None) -> tuple[int, int] | None:
+def parse_position(text: str) -> tuple[int, int]:
     """``"30"`` -> (30, 0); ``"30.2"`` -> (30, 2)."""
-    if text is None:
-        return None
     step, _, micro = text.partition(".")
     return int(step), int(micro or 0)
 
 
-def final_state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    records: list[tuple[int, int, torch.Tensor, float]],
-) -> dict[str, Any]:
+def final_state(job: Job) -> dict[str, Any]:
     """Everything two runs must agree on, in a form ``torch.load(weights_only=True)`` reads."""
-    optim_state = optimizer.state_dict()
+    optim_state = job.optimizer.state_dict()
+    records = job.records
     return {
-        "model": {name: t.clone() for name, t in model.state_dict().items()},
+        "model": {name: t.clone() for name, t in job.model.state_dict().items()},
         "optimizer": {
             f"{index}/{key}": value.clone()
             for index, state in optim_state["state"].items()
             for key, value in state.items()
         },
         "lr": [group["lr"] for group in optim_state["param_groups"]],
-        "scaler": scaler.state_dict(),
+        "scaler": job.scaler.state_dict(),
         "positions": [(step, micro) for step, micro, _, _ in records],
         "losses": torch.stack([loss for _, _, loss, _ in records]) if records else torch.empty(0),
         "record_lrs": [lr for _, _, _, lr in records],

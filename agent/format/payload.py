@@ -12,10 +12,12 @@ header and of each tensor's bytes, for any byte range.
 
 from __future__ import annotations
 
+import bisect
 import json
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -64,13 +66,22 @@ class PayloadLayout:
             ranges.append((base + begin, base + end))
         return ranges
 
+    @cached_property
+    def _segments(self) -> tuple[list[tuple[int, int]], list[memoryview], list[int]]:
+        spans = self.spans()
+        views = [memoryview(self.header), *(tensor_bytes(t) for _, t in self.tensors)]
+        return spans, views, [begin for begin, _ in spans]
+
     def pieces(self, start: int, end: int) -> Iterator[memoryview]:
         """Zero-copy views that together are bytes ``[start, end)`` of the payload."""
-        views = [memoryview(self.header), *(tensor_bytes(t) for _, t in self.tensors)]
-        for (begin, stop), view in zip(self.spans(), views, strict=True):
+        spans, views, starts = self._segments
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        while i < len(spans) and spans[i][0] < end:
+            begin, stop = spans[i]
             lo, hi = max(start, begin), min(end, stop)
             if lo < hi:
-                yield view[lo - begin : hi - begin]
+                yield views[i][lo - begin : hi - begin]
+            i += 1
 
 
 def layout(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> PayloadLayout:

@@ -24,6 +24,12 @@ JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | 
 KeyPath: TypeAlias = tuple[object, ...]
 
 _NUMPY_KINDS = "biuf"  # bool, signed, unsigned, float: no object, string or datetime arrays
+# A fixed table: getattr(torch, name) could import lazily loaded torch submodules.
+_TORCH_DTYPE_NAMES = {
+    str(value).removeprefix("torch."): value
+    for value in vars(torch).values()
+    if isinstance(value, torch.dtype)
+}
 
 
 def render_path(path: KeyPath) -> str:
@@ -34,7 +40,7 @@ def render_path(path: KeyPath) -> str:
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._names: dict[int, str] = {}
+        self._names: dict[tuple[object, ...], str] = {}
 
     def encode(self, value: object, path: KeyPath) -> JSON:
         if value is None or isinstance(value, bool | str):
@@ -117,15 +123,31 @@ class _Encoder:
                 f"{render_path(path)}: dtype {tensor.dtype} has no safetensors code; "
                 f"store it as one of {', '.join(str(d) for d in DTYPES)}"
             )
-        known = self._names.get(id(tensor))
-        if known is not None:  # the same tensor object twice (tied weights): store it once
+        # The same memory twice (tied weights, which state_dict() returns as two distinct
+        # detached tensors) is stored once, and both references decode to one tensor.
+        memory = _memory_identity(tensor)
+        known = self._names.get(memory)
+        if known is not None:
             return known
         name = render_path(path) or "<root>"
         while name in self.tensors:
             name += "'"
         self.tensors[name] = tensor
-        self._names[id(tensor)] = name
+        self._names[memory] = name
         return name
+
+
+def _memory_identity(tensor: torch.Tensor) -> tuple[object, ...]:
+    if tensor.numel() == 0:
+        return ("object", id(tensor))
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.device,
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
 
 
 def _plain_key(key: object) -> bool:
@@ -231,8 +253,8 @@ class _Decoder:
 
     @staticmethod
     def _dtype(name: JSON) -> torch.dtype:
-        dtype = getattr(torch, _expect(name, str), None)
-        if not isinstance(dtype, torch.dtype):
+        dtype = _TORCH_DTYPE_NAMES.get(_expect(name, str))
+        if dtype is None:
             raise BundleFormatError(f"$dtype {name!r} is not a torch dtype")
         return dtype
 

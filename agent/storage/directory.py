@@ -14,7 +14,8 @@ class DirectoryStore:
     """Objects as files under a root directory.
 
     ``put`` writes a temporary file in the target directory, fsyncs it, renames it over the
-    key and fsyncs the directory, so a crash leaves either the old object or the new one.
+    key and fsyncs the directories it changed, so a crash leaves either the old object or the
+    new one. Operating-system failures surface as ``StoreError``.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -30,25 +31,31 @@ class DirectoryStore:
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            with os.fdopen(fd, "wb") as out:
-                for piece in pieces:
-                    out.write(piece)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(path.parent)
+            created = _make_dirs(path.parent)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    for piece in pieces:
+                        out.write(piece)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            for directory in (path.parent, *(d.parent for d in created)):
+                _fsync_dir(directory)
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot write {key!r}: {err}") from err
 
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
             raise StoreError(f"{self.url}: no object {key!r}") from None
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
 
     def read_into(self, key: str, buffer: memoryview) -> int:
         try:
@@ -67,23 +74,46 @@ class DirectoryStore:
                 return size
         except FileNotFoundError:
             raise StoreError(f"{self.url}: no object {key!r}") from None
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
 
     def size(self, key: str) -> int | None:
         try:
             return self._path(key).stat().st_size
         except FileNotFoundError:
             return None
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
 
     def list_keys(self, prefix: str) -> Iterator[str]:
-        keys = (
-            path.relative_to(self.root).as_posix()
-            for path in self.root.rglob("*")
-            if path.is_file() and not path.name.startswith(".")
-        )
+        # Walk only the deepest directory the prefix names, not the whole store.
+        base = self.root.joinpath(*prefix.split("/")[:-1])
+        try:
+            keys = [
+                path.relative_to(self.root).as_posix()
+                for path in base.rglob("*")
+                if path.is_file() and not path.name.startswith(".")
+            ]
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot list {prefix!r}: {err}") from err
         yield from sorted(key for key in keys if key.startswith(prefix))
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    """Create ``directory`` and its missing parents; return those created, deepest first."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for path in reversed(missing):
+        path.mkdir(exist_ok=True)
+    return missing
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -54,6 +54,28 @@ def _position_after(save_at: str) -> tuple[int, int]:
     return (int(step), int(micro or 0) + 1)
 
 
+@pytest.mark.parametrize(
+    "loader_args",
+    [
+        ("--loader", "sampler"),
+        ("--loader", "sampler", "--persistent-workers"),
+        ("--loader", "stateful"),
+    ],
+    ids=["sampler", "sampler-persistent-workers", "stateful"],
+)
+def test_a_save_after_an_epoch_ends_resumes_bit_exactly(
+    trainer: RunTrainer, tmp_path: Path, loader_args: tuple[str, ...]
+) -> None:
+    # Saved after the loop over epoch 3 finished (counters: epoch 4, batch 0): the resumed
+    # run's first iterator is the one the uninterrupted run created for epoch 4 - or, with
+    # persistent workers, one it never created again.
+    reference = trainer(*STEPS, *loader_args, store=tmp_path / "reference")
+    trainer(*STEPS, *loader_args, "--save-at-epoch-end", "4", "--kill-after-save", expect_rc=-9)
+    resumed = trainer(*STEPS, *loader_args)
+    assert resumed["positions"][0] == (32, 1)
+    assert differences(reference, resumed) == []
+
+
 @pytest.fixture(scope="module")
 def mid_accumulation_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("killed")

@@ -19,6 +19,7 @@ from agent import (
     CorruptBundleError,
     IncompatibleBundleError,
     ResumableSampler,
+    StoreError,
     UnrepresentableStateError,
 )
 from agent.bundle import LayerState, WriteStats, commit_bundle, latest_manifest, upload_layer
@@ -119,8 +120,13 @@ def test_a_truncated_or_missing_blob_is_refused(tmp_path: Path, damage: str) -> 
         victim.write_bytes(victim.read_bytes()[:-1])
     else:
         victim.unlink()
+    ckpt, model, _ = make(store)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
     with pytest.raises(CorruptBundleError, match=victim.name):
-        make(store)[0].resume()
+        ckpt.resume()
+    # Every layer is verified before any is restored: the weights were not touched either.
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    assert ckpt.counters.step == 0
 
 
 def test_a_bundle_without_manifest_is_ignored(tmp_path: Path) -> None:
@@ -186,7 +192,9 @@ def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str,
     assert manifest is not None
     skeleton: JSON = {"models": {}, "masters": {}, "extras": {"box": crafted}, "grads": None}
     stats = WriteStats()
-    record = upload_layer(store, LayerState(skeleton, {}), blob_bytes=1 << 20, stats=stats)
+    record = upload_layer(
+        store, LayerState(skeleton, {}), blob_bytes=1 << 20, stats=stats, verified=set()
+    )
     layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
     commit_bundle(store, run="integrity", step=5, world_size=1, ranks={0: layers})
     with pytest.raises(BundleFormatError):
@@ -307,3 +315,71 @@ def test_a_save_before_the_first_optimizer_step_resumes(tmp_path: Path) -> None:
     fresh, _, optimizer = make(store)
     assert fresh.resume().step == 0
     assert optimizer.state_dict()["state"] == {}
+
+
+def test_a_mismatched_optimizer_is_an_incompatible_bundle(tmp_path: Path) -> None:
+    store = saved_store(tmp_path)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+    ckpt = Checkpointer(
+        run="integrity",
+        store=store,
+        models=model,
+        optimizers=torch.optim.AdamW(groups),
+        data=ResumableSampler(16, seed=1),
+        extras={"box": Box()},
+    )
+    with pytest.raises(IncompatibleBundleError, match="optimizer layer does not fit"):
+        ckpt.resume()
+
+
+def test_a_damaged_blob_in_the_store_is_rewritten_not_referenced_again(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    ckpt, model, optimizer = make(store)
+    train_step(ckpt, model, optimizer)
+    ckpt.save()
+    victim = blob_files(store, step=1)[-1]
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, wrong bytes
+    # A new process saves the same state: it must not trust the damaged blob by its size.
+    again = Checkpointer(
+        run="integrity",
+        store=store,
+        models=model,
+        optimizers=optimizer,
+        data=ResumableSampler(16, seed=1),
+        extras={"box": Box({"note": "hi"})},
+    )
+    again.counters.step = 1
+    assert again.save().new_bytes >= victim.stat().st_size
+    assert make(store)[0].resume().step == 1
+
+
+def test_store_failures_are_store_errors(tmp_path: Path) -> None:
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("x")
+    ckpt, _, _ = make(DirectoryStore(not_a_directory))
+    with pytest.raises(StoreError, match="Not a directory"):
+        ckpt.save()
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
+    def build() -> tuple[Checkpointer, nn.Embedding, nn.Linear]:
+        torch.manual_seed(0)
+        embedding, head = nn.Embedding(1000, 64), nn.Linear(64, 1000, bias=False)
+        head.weight = embedding.weight
+        model = nn.Sequential(embedding, head)
+        return (
+            Checkpointer(run="tied", store=DirectoryStore(tmp_path), models=model),
+            embedding,
+            head,
+        )
+
+    ckpt, embedding, _ = build()
+    with torch.no_grad():
+        embedding.weight.add_(1.0)
+    result = ckpt.save()
+    assert result.payload_bytes < 1000 * 64 * 4 * 1.5
+    fresh, restored_embedding, restored_head = build()
+    fresh.resume()
+    assert restored_head.weight is restored_embedding.weight
+    assert torch.equal(restored_embedding.weight, embedding.weight)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import sys
 from typing import Any
 
 import numpy as np
@@ -417,3 +418,12 @@ def test_a_dtype_without_safetensors_code_is_refused_at_encode_with_its_path() -
         skeleton.encode(
             {"state": {0: {"z": torch.zeros(2, dtype=torch.complex64)}}}, root=("optimizer",)
         )
+
+
+def test_a_dtype_tag_never_imports_anything() -> None:
+    before = set(sys.modules)
+    for name in ("_dynamo", "onnx", "load", "os"):
+        with pytest.raises(BundleFormatError):
+            skeleton.decode({"$dtype": name}, {})
+    assert set(sys.modules) == before
+    assert skeleton.decode({"$dtype": "bfloat16"}, {}) is torch.bfloat16

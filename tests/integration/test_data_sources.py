@@ -1,0 +1,118 @@
+"""Which data pipelines the checkpointer accepts, and what it refuses with advice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from agent import Checkpointer, PerSampleRNG, ResumableSampler
+from agent.storage import DirectoryStore
+
+DATASET = TensorDataset(torch.arange(16))
+
+
+def checkpointer(tmp_path: Path, data: object, **kwargs: Any) -> Checkpointer:
+    return Checkpointer(
+        run="data", store=DirectoryStore(tmp_path), models=nn.Linear(1, 1), data=data, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "advice"),
+    [
+        (lambda: DataLoader(DATASET, batch_size=4, shuffle=True), "ResumableSampler"),
+        (
+            lambda: DataLoader(DATASET, batch_size=None, sampler=ResumableSampler(DATASET)),
+            "ResumableSampler",
+        ),
+        (
+            lambda: StatefulDataLoader(DATASET, batch_size=4, shuffle=True, num_workers=0),
+            "num_workers",
+        ),
+        (
+            lambda: StatefulDataLoader(DATASET, batch_size=4, shuffle=True, num_workers=1),
+            "generator=",
+        ),
+        (
+            lambda: StatefulDataLoader(
+                PerSampleRNG(DATASET),
+                batch_size=4,
+                shuffle=True,
+                num_workers=1,
+                persistent_workers=True,
+                generator=torch.Generator(),
+            ),
+            "persistent",
+        ),
+        (
+            lambda: DataLoader(
+                PerSampleRNG(DATASET),
+                batch_size=4,
+                shuffle=False,
+                num_workers=1,
+                persistent_workers=True,
+            ),
+            "persistent",
+        ),
+    ],
+    ids=[
+        "shuffle",
+        "no-batch-size",
+        "stateful-no-workers",
+        "stateful-no-generator",
+        "stateful-persistent-per-sample",
+        "plain-persistent-per-sample",
+    ],
+)
+def test_loaders_that_cannot_resume_are_refused_with_advice(
+    tmp_path: Path, make: object, advice: str
+) -> None:
+    with pytest.raises(ValueError, match=advice):
+        checkpointer(tmp_path, make())  # type: ignore[operator]
+
+
+def test_objects_without_state_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="state_dict"):
+        checkpointer(tmp_path, [1, 2, 3])
+
+
+def test_generators_must_be_generators(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"generators\['g'\]"):
+        checkpointer(tmp_path, None, generators={"g": 3})
+
+
+def test_a_bare_sampler_resumes_after_the_last_consumed_index(tmp_path: Path) -> None:
+    def consume(ckpt: Checkpointer, count: int) -> list[int]:
+        taken: list[int] = []
+        while len(taken) < count:
+            for index in ckpt.batches():
+                taken.append(int(index))
+                if len(taken) == count:
+                    break
+        return taken
+
+    uninterrupted = consume(checkpointer(tmp_path / "a", ResumableSampler(8, seed=3)), 20)
+    first = checkpointer(tmp_path / "b", ResumableSampler(8, seed=3))
+    head = consume(first, 13)
+    first.save()
+    second = checkpointer(tmp_path / "b", ResumableSampler(8, seed=3))
+    second.resume()
+    assert head + consume(second, 7) == uninterrupted
+
+
+def test_a_random_state_generator_round_trips(tmp_path: Path) -> None:
+    state = np.random.RandomState(5)
+    ckpt = checkpointer(tmp_path, None, generators={"legacy": state})
+    state.random_sample(3)
+    ckpt.save()
+    expected = state.random_sample(4)
+    fresh_state = np.random.RandomState(0)
+    checkpointer(tmp_path, None, generators={"legacy": fresh_state}).resume()
+    assert np.array_equal(fresh_state.random_sample(4), expected)
