@@ -89,9 +89,10 @@ def upload_layer(
 ) -> LayerRecord:
     """Lay out one payload, hash its blobs and put those the store does not hold intact.
 
-    ``verified`` holds blobs known to be intact in the store (written or checked by this
-    process); a blob the store holds but that is not known is read back and hashed once
-    before it is trusted, so a damaged blob is rewritten rather than referenced again.
+    Every blob's presence and size are checked at each save (something else may have
+    deleted it). ``verified`` holds blobs this process wrote or checked: a blob the store
+    holds that is not among them is read back and hashed once before it is trusted, so a
+    damaged blob is rewritten rather than referenced again.
     """
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes)
@@ -100,16 +101,16 @@ def upload_layer(
         BlobRef(sha256=sha, size=end - start)
         for sha, (start, end) in zip(hashes, ranges, strict=True)
     ]
-    unknown = {
+    new = {
         blob.sha256: (blob, span)
         for blob, span in zip(blobs, ranges, strict=True)
-        if blob.sha256 not in stats.seen and blob.sha256 not in verified
+        if blob.sha256 not in stats.seen
     }
     stats.seen.update(hashes)
-    intact = _parallel(lambda item: _stored_intact(store, item[0]), unknown.values())
-    missing = [item for item, ok in zip(unknown.values(), intact, strict=True) if not ok]
+    intact = _parallel(lambda item: _stored_intact(store, item[0], verified), new.values())
+    missing = [item for item, ok in zip(new.values(), intact, strict=True) if not ok]
     _parallel(lambda item: store.put(keys.blob_key(item[0].sha256), plan.pieces(*item[1])), missing)
-    verified.update(unknown)
+    verified.update(new)
     stats.new_bytes += sum(blob.size for blob, _ in missing)
     stats.new_blobs += len(missing)
     stats.payload_bytes += plan.size
@@ -122,11 +123,13 @@ def upload_layer(
     )
 
 
-def _stored_intact(store: ObjectStore, blob: BlobRef) -> bool:
-    """Whether the store holds ``blob`` with the right size and SHA-256."""
+def _stored_intact(store: ObjectStore, blob: BlobRef, verified: set[str]) -> bool:
+    """Whether the store holds ``blob`` with the right size (and SHA-256, unless verified)."""
     key = keys.blob_key(blob.sha256)
     if store.size(key) != blob.size:
         return False
+    if blob.sha256 in verified:
+        return True
     buffer = torch.empty(blob.size, dtype=torch.uint8).numpy().data
     try:
         store.read_into(key, buffer)

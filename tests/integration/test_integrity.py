@@ -383,3 +383,14 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
     fresh.resume()
     assert restored_head.weight is restored_embedding.weight
     assert torch.equal(restored_embedding.weight, embedding.weight)
+
+
+def test_a_blob_deleted_behind_a_live_checkpointer_is_written_again(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    ckpt, _, _ = make(store)
+    ckpt.save()
+    for path in (tmp_path / "blobs").rglob("*"):
+        if path.is_file():
+            path.unlink()
+    ckpt.save()
+    assert make(store)[0].resume().step == 0
