@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/save_restore.py [--width 3264 --layers 8 --repeat 3 --dir /tmp]
 
-The default is MACHINE-LIMITS.md's test state: 8 x nn.Linear(3264, 3264) plus Adam after
-one step (85.26M parameters, 48 tensors, 1.02 GB). Every figure is printed next to a
+The default state is 8 x nn.Linear(3264, 3264) plus Adam after one step (85.23M
+parameters, 48 tensors, 1.02 GB). Every figure is printed next to a
 baseline measured in the same run, on the same disk, as a ratio (these machines are noisy):
 
 - save: ``Checkpointer.save()`` (6 layers, SHA-256 of every blob, fsync + rename per blob,

@@ -42,7 +42,7 @@ def _train(label: str, store: str, run: str, out: Path, *args: str) -> tuple[int
     return done.returncode, seconds, done.stdout.strip()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ckpt demo", description=__doc__)
     parser.add_argument(
         "--store", default=".ckpt/store", help="where bundles go (default: ./.ckpt/store)"
@@ -53,48 +53,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.every < 1 or args.steps < args.every + 3:
         parser.error(f"--steps must be at least --every + 3 (got {args.steps} and {args.every})")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     chooser = random.Random(args.seed)
-    kill_step = chooser.randrange(args.every + 1, args.steps - 1)
-    kill_micro = chooser.randrange(ACCUMULATION)
+    kill = (chooser.randrange(args.every + 1, args.steps - 1), chooser.randrange(ACCUMULATION))
     run = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{chooser.randrange(1 << 16):04x}"
     work = Path(args.store).absolute().parent / "demo" / run
     work.mkdir(parents=True, exist_ok=True)
     common = ("--steps", str(args.steps), "--total-steps", str(args.steps + 20))
+    saving = ("--every", str(args.every))
 
     print(f"ckpt demo: run {run}, store {args.store}")
     print(
-        f"1. training {args.steps} steps, saving every {args.every}; killed with SIGKILL at step {kill_step}.{kill_micro}"
+        f"1. training {args.steps} steps, saving every {args.every}; SIGKILL at step {kill[0]}.{kill[1]}"
     )
+    kill_at = ("--kill-at", f"{kill[0]}.{kill[1]}")
     rc, seconds, _ = _train(
-        "interrupted",
-        args.store,
-        run,
-        work / "killed.pt",
-        *common,
-        "--every",
-        str(args.every),
-        "--kill-at",
-        f"{kill_step}.{kill_micro}",
+        "interrupted", args.store, run, work / "killed.pt", *common, *saving, *kill_at
     )
-    if rc != -9:
-        raise SystemExit("the interrupted run was expected to be killed")
     manifest = latest_manifest(open_store(args.store), run)
-    assert manifest is not None, "no bundle was saved before the kill"
+    if rc != -9 or manifest is None:
+        raise SystemExit("the interrupted run was expected to save a bundle and then be killed")
     print(f"   killed after {seconds:.1f} s; latest resumable bundle: step {manifest.step}")
     print("2. a new process resumes from it and trains to the end")
-    _, seconds, said = _train(
-        "resumed", args.store, run, work / "resumed.pt", *common, "--every", str(args.every)
-    )
+    _, seconds, said = _train("resumed", args.store, run, work / "resumed.pt", *common, *saving)
     print(f"   {said.splitlines()[0] if said else 'started fresh'} ({seconds:.1f} s)")
     print("3. a reference run trains the same job without interruption")
     _train("reference", args.store, f"{run}-reference", work / "reference.pt", *common)
+    return report(work, kill=kill, resumed_step=manifest.step)
+
+
+def report(work: Path, *, kill: tuple[int, int], resumed_step: int) -> int:
+    """Print the comparison; 0 when the resumed run is bit-identical to the reference."""
     resumed: dict[str, Any] = torch.load(work / "resumed.pt", weights_only=True)
     reference: dict[str, Any] = torch.load(work / "reference.pt", weights_only=True)
     found = differences(reference, resumed)
-    lost = kill_step * ACCUMULATION + kill_micro - manifest.step * ACCUMULATION
+    replayed = (kill[0] - resumed_step) * ACCUMULATION + kill[1]
     print()
     print(
-        f"steps lost to the kill:       {kill_step - manifest.step} ({lost} micro-batches replayed)"
+        f"steps lost to the kill:       {kill[0] - resumed_step} ({replayed} micro-batches replayed)"
     )
     print(f"micro-batches compared:       {len(resumed['positions'])}")
     print(f"parameters and buffers:       {len(reference['model'])} tensors")
