@@ -27,7 +27,7 @@ def build(store: Path) -> tuple[Checkpointer, nn.Module, torch.optim.Optimizer]:
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
     loss: torch.Tensor = model(torch.randn(4, 8, device="cuda")).square().mean()
-    loss.backward()
+    torch.autograd.backward(loss)
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach()
