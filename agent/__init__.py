@@ -7,6 +7,7 @@ from agent.checkpointer import Checkpointer, ResumeResult, SaveResult
 from agent.counters import Counters
 from agent.data import PerSampleRNG, ResumableSampler
 from agent.errors import (
+    BundleExistsError,
     BundleFormatError,
     CkptError,
     CorruptBundleError,
@@ -18,6 +19,7 @@ from service import __version__
 from service.contract import Layer
 
 __all__ = [
+    "BundleExistsError",
     "BundleFormatError",
     "Checkpointer",
     "CkptError",

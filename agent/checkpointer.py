@@ -24,12 +24,13 @@ from agent.bundle import (
 from agent.config import Config
 from agent.counters import Counters
 from agent.data import Resumed, data_source
-from agent.errors import CkptError, IncompatibleBundleError
+from agent.errors import BundleExistsError, CkptError, IncompatibleBundleError
 from agent.format import skeleton
 from agent.layers import TrainingObjects
 from agent.policy import Position, SavePolicy
 from agent.stateful import Stateful
 from agent.storage import ObjectStore, open_store
+from agent.storage.keys import manifest_key
 from service.contract import RESTORE_ORDER, Layer, Manifest
 
 log = logging.getLogger("ckpt")
@@ -179,6 +180,8 @@ class Checkpointer:
         self._last_saved: Position | None = None
         self._last_save_time = time.monotonic()
         self._resumed: Resumed | None = None
+        self._epoch_batches: Iterator[Any] | None = None  # the live iterator of this epoch
+        self._own_steps: set[int] = set()  # steps of bundles this process resumed or wrote
         self._verified: set[str] = set()  # blobs known to be intact in the store
 
     @property
@@ -189,12 +192,19 @@ class Checkpointer:
     def _position(self) -> Position:
         return Position(step=self.counters.step, micro_step=self.counters.micro_step)
 
-    def resume(self, *, layers: Iterable[Layer | str] = RESTORE_ORDER) -> ResumeResult:
+    def resume(
+        self, *, layers: Iterable[Layer | str] = RESTORE_ORDER, from_run: str | None = None
+    ) -> ResumeResult:
         """Restore the latest resumable bundle of the run, or report a fresh start.
 
         Layers are restored in the fixed order weights, optimizer, scheduler, rng, data,
-        counters. Restoring only some (``layers=["weights"]`` to warm-start) is allowed but is
-        not a bit-exact resume.
+        counters. Restoring only some is a warm start, not a bit-exact resume: do it from
+        another run (``from_run="base", layers=["weights"]``), since with the counters back at
+        zero, saves would collide with this run's own bundles (and are refused).
+
+        Args:
+            layers: the layers to restore; all six by default.
+            from_run: read the latest bundle of this run instead of the checkpointer's own.
 
         Returns:
             Which bundle was restored (``bundle=None`` when there was none).
@@ -207,16 +217,19 @@ class Checkpointer:
                 the one that failed are already restored: rebuild the objects before training.
         """
         wanted = {Layer(layer) for layer in layers}
-        manifest = latest_manifest(self.store, self.config.run)
+        source_run = from_run or self.config.run
+        manifest = latest_manifest(self.store, source_run)
         if manifest is None:
             log.info(
-                "run %s: no resumable bundle in %s; starting fresh", self.config.run, self.store.url
+                "run %s: no resumable bundle in %s; starting fresh", source_run, self.store.url
             )
             return ResumeResult(bundle=None, step=None, layers=())
         self._check_compatible(manifest)
         name = bundle_name(manifest)
         restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
         states = {layer: self._read(manifest, layer) for layer in restored}
+        if Layer.WEIGHTS in states and Layer.COUNTERS not in states:
+            states[Layer.WEIGHTS]["grads"] = None  # partial sums belong to the old micro step
         for layer in restored:
             try:
                 _RESTORE[layer](self.objects, states.pop(layer))
@@ -231,6 +244,9 @@ class Checkpointer:
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
         self._resumed = Resumed(epoch=self.counters.epoch, batch=self.counters.batch)
+        self._epoch_batches = None
+        if source_run == self.config.run:
+            self._own_steps.add(manifest.step)
         log.info(
             "run %s: resumed from %s (step %d, layers %s)",
             self.config.run,
@@ -267,18 +283,22 @@ class Checkpointer:
 
         Starts where the run stopped (the restored position), counts each batch handed
         out as consumed, and leaves the random streams exactly as the uninterrupted run
-        would. Call ``maybe_save`` at the end of the loop body, after the batch is used.
+        would. Breaking out and calling it again continues the same epoch with the same
+        iterator. Call ``maybe_save`` at the end of the loop body, after the batch is used.
         """
         source = self.objects.data
         if source is None:
             raise ValueError("batches() needs data=: pass the loader to the Checkpointer")
         counters = self.counters
-        source.begin_epoch(counters.epoch)
-        resumed, self._resumed = self._resumed, None
-        for batch in source.batches(resumed=resumed):
+        if self._epoch_batches is None:
+            source.begin_epoch(counters.epoch)
+            resumed, self._resumed = self._resumed, None
+            self._epoch_batches = source.batches(resumed=resumed)
+        for batch in self._epoch_batches:
             counters.batch += 1
             source.consumed()
             yield batch
+        self._epoch_batches = None
         counters.epoch += 1
         counters.batch = 0
 
@@ -297,6 +317,7 @@ class Checkpointer:
             StoreError: the store failed; no manifest was written, so no bundle exists.
         """
         started = time.perf_counter()
+        self._check_not_replacing(self.counters.step)
         states = self._capture()
         stats = WriteStats()
         records = {
@@ -316,6 +337,7 @@ class Checkpointer:
             world_size=self.world_size,
             ranks={self.rank: records},
         )
+        self._own_steps.add(manifest.step)
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
         result = SaveResult(
@@ -334,6 +356,15 @@ class Checkpointer:
             result.seconds,
         )
         return result
+
+    def _check_not_replacing(self, step: int) -> None:
+        if step in self._own_steps or self.store.size(manifest_key(self.config.run, step)) is None:
+            return
+        raise BundleExistsError(
+            f"run {self.config.run} already has a bundle at step {step} that this process "
+            "neither resumed from nor wrote; saving would replace it. Resume the run first "
+            "(all layers), or warm-start a new run: resume(from_run=..., layers=[...])"
+        )
 
     def _capture(self) -> dict[Layer, LayerState]:
         states: dict[Layer, LayerState] = {}

@@ -184,22 +184,30 @@ def _set_epoch(target: object, epoch: int) -> None:
         set_epoch(epoch)
 
 
-def _iterate_loader(loader: DataLoader[Any], *, resumed: Resumed | None) -> Iterator[Any]:
-    """``iter(loader)``, leaving the global torch generator as the uninterrupted run had it.
+def _iterate_loader(
+    loader: DataLoader[Any], *, resumed: Resumed | None, generator_in_state: bool
+) -> Iterator[Any]:
+    """``iter(loader)``, leaving the generators as the uninterrupted run had them.
 
     Creating a DataLoader iterator draws the workers' base seed from ``loader.generator``, or
     from the global generator when that is None. The uninterrupted run drew it when the
-    epoch started, or only once per run with ``persistent_workers``; the first iterator
-    after a resume must not draw again from the global generator the rng layer just restored.
-    (A loader's own generator is the loader's state, restored with the data layer.)
+    epoch started (``Checkpointer.batches`` keeps one iterator per epoch), or only once per
+    run with ``persistent_workers``; the first iterator after a resume must not draw again
+    from a generator the checkpoint just restored. ``generator_in_state``: the loader's own
+    generator is part of its state (a ``StatefulDataLoader``), which its restore manages.
     """
     redundant = resumed is not None and (
         resumed.batch > 0 or (loader.persistent_workers and resumed.epoch > 0)
     )
-    saved = torch.get_rng_state() if redundant and loader.generator is None else None
+    generator = loader.generator
+    if generator is None:
+        generator = torch.default_generator
+    elif generator_in_state:
+        redundant = False
+    saved = generator.get_state() if redundant else None
     iterator = iter(loader)
     if saved is not None:
-        torch.set_rng_state(saved)
+        generator.set_state(saved)
     return iterator
 
 
@@ -211,8 +219,8 @@ def _refuse_frozen_epoch(loader: DataLoader[Any]) -> None:
     ):
         raise ValueError(
             "PerSampleRNG cannot see the epoch inside persistent workers unless the indices "
-            "come from ResumableSampler (which carries it): use sampler=ResumableSampler(...) "
-            "or persistent_workers=False"
+            "come from ResumableSampler (which carries it): use a plain DataLoader with "
+            "sampler=ResumableSampler(...), or persistent_workers=False"
         )
 
 
@@ -235,7 +243,7 @@ class SamplerLoader:
         _set_epoch(self.loader.dataset, epoch)
 
     def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
-        return _iterate_loader(self.loader, resumed=resumed)
+        return _iterate_loader(self.loader, resumed=resumed, generator_in_state=False)
 
     def consumed(self) -> None:
         self.sampler.advance(self.batch_size)
@@ -292,7 +300,7 @@ class StatefulSource:
 
     def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
         if isinstance(self.source, DataLoader):
-            return _iterate_loader(self.source, resumed=resumed)
+            return _iterate_loader(self.source, resumed=resumed, generator_in_state=True)
         if not isinstance(self.source, Iterable):
             raise TypeError(f"{type(self.source).__name__} is not iterable; iterate it yourself")
         return iter(self.source)
@@ -308,6 +316,12 @@ class StatefulSource:
 
 
 def _check_stateful_loader(loader: DataLoader[Any]) -> None:
+    if isinstance(loader.sampler, ResumableSampler):
+        raise ValueError(
+            "a StatefulDataLoader restores its sampler from the sampler's own state, which "
+            "ResumableSampler advances only through a plain DataLoader: use "
+            "DataLoader(dataset, batch_size=..., sampler=ResumableSampler(...)) instead"
+        )
     if loader.num_workers == 0:
         raise ValueError(
             "a StatefulDataLoader with num_workers=0 does not restore the shuffle order of the "
@@ -317,8 +331,8 @@ def _check_stateful_loader(loader: DataLoader[Any]) -> None:
     if loader.generator is None and _is_shuffling_sampler(loader.sampler):
         raise ValueError(
             "this loader shuffles with a generator seeded from the global RNG; pass "
-            "generator=torch.Generator().manual_seed(SEED) to it (or use ckpt's "
-            "ResumableSampler) so a resume does not shift the global random stream"
+            "generator=torch.Generator().manual_seed(SEED) to it (or use a plain DataLoader "
+            "with ckpt's ResumableSampler) so a resume does not shift the global random stream"
         )
     _refuse_frozen_epoch(loader)
 

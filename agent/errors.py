@@ -5,6 +5,7 @@
     ├── BundleFormatError          restore: a payload or manifest is malformed or uses an unknown tag
     ├── CorruptBundleError         restore: a blob is missing, has the wrong size or the wrong SHA-256
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
+    ├── BundleExistsError          save: the run has another bundle at this step; refusing to replace it
     └── StoreError                 the object store failed to read or write a key
 
 Bad configuration raises ``ValueError`` at construction, with what to change.
@@ -36,6 +37,10 @@ class CorruptBundleError(CkptError):
 
 class IncompatibleBundleError(CkptError):
     """The bundle cannot be restored into these objects (other model, world size, devices)."""
+
+
+class BundleExistsError(CkptError):
+    """Saving would replace a bundle of the run that this process did not resume from or write."""
 
 
 class StoreError(CkptError):

@@ -52,12 +52,16 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _masters(objects: TrainingObjects) -> dict[str, dict[int, torch.Tensor]]:
-    """Optimizer parameters that belong to no model: fp32 master copies kept by training."""
+    """Optimizer parameters that belong to no model: fp32 master copies kept by training.
+
+    Only optimizers that have any are listed, so a warm start need not bring the others.
+    """
     in_models = {id(p) for model in objects.models.values() for p in model.parameters()}
-    return {
+    masters = {
         name: {i: p for i, p in enumerate(_optimizer_params(opt)) if id(p) not in in_models}
         for name, opt in objects.optimizers.items()
     }
+    return {name: params for name, params in masters.items() if params}
 
 
 def capture_weights(objects: TrainingObjects) -> State:

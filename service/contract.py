@@ -65,6 +65,14 @@ class LayerRecord(_Frozen):
         total = sum(blob.size for blob in self.blobs)
         if total != self.payload_bytes:
             raise ValueError(f"blobs hold {total} bytes but the payload has {self.payload_bytes}")
+        if not self.blobs or self.blobs[0].size != self.header_bytes:
+            raise ValueError("the first blob must be the payload header, alone")
+        data = max((entry.data_offsets[1] for entry in self.tensors.values()), default=0)
+        if self.header_bytes + data != self.payload_bytes:
+            raise ValueError(
+                f"header ({self.header_bytes}) and tensors ({data}) do not add up to the "
+                f"payload ({self.payload_bytes} bytes)"
+            )
         return self
 
 

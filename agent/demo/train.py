@@ -108,6 +108,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--workers", type=int, default=2)
     add("--persistent-workers", action="store_true")
     add(
+        "--break-after-save",
+        action="store_true",
+        help="leave the batch loop after every policy save and re-enter it (an eval pattern)",
+    )
+    add(
         "--no-per-sample-rng",
         dest="per_sample_rng",
         action="store_false",
@@ -190,11 +195,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             position = (counters.step, counters.micro_step)
             if position == args.save_at:
                 save_and_maybe_die(job, kill=args.kill_after_save)
-            job.ckpt.maybe_save()
+            saved = job.ckpt.maybe_save()
             if position == args.kill_at:
                 print(f"killed at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if counters.step >= args.steps:
+            if counters.step >= args.steps or (saved and args.break_after_save):
                 break
         else:
             if counters.epoch == args.save_at_epoch_end:

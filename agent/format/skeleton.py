@@ -147,6 +147,8 @@ def _memory_identity(tensor: torch.Tensor) -> tuple[object, ...]:
         tuple(tensor.shape),
         tuple(tensor.stride()),
         tensor.dtype,
+        tensor.is_neg(),
+        tensor.is_conj(),
     )
 
 

@@ -76,6 +76,21 @@ def test_a_save_after_an_epoch_ends_resumes_bit_exactly(
     assert differences(reference, resumed) == []
 
 
+@pytest.mark.parametrize("loader", ["sampler", "stateful"])
+def test_two_kills_in_a_chain_with_loop_re_entry_stay_bit_exact(
+    trainer: RunTrainer, tmp_path: Path, loader: str
+) -> None:
+    # The loop leaves batches() after every save and re-enters it mid-epoch (as an eval
+    # would); bundle 25 sits exactly on such a break.
+    job = (*STEPS, "--loader", loader, "--every", "5", "--break-after-save")
+    reference = trainer(*job, store=tmp_path / "reference")
+    trainer(*job, "--kill-at", "12.1", expect_rc=-9)
+    trainer(*job, "--kill-at", "27.2", expect_rc=-9)
+    resumed = trainer(*job)
+    assert resumed["positions"][0] == (25, 1)
+    assert differences(reference, resumed) == []
+
+
 @pytest.fixture(scope="module")
 def mid_accumulation_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("killed")

@@ -116,3 +116,36 @@ def test_a_random_state_generator_round_trips(tmp_path: Path) -> None:
     fresh_state = np.random.RandomState(0)
     checkpointer(tmp_path, None, generators={"legacy": fresh_state}).resume()
     assert np.array_equal(fresh_state.random_sample(4), expected)
+
+
+def test_a_resumable_sampler_inside_a_stateful_loader_is_refused(tmp_path: Path) -> None:
+    loader = StatefulDataLoader(
+        DATASET, batch_size=4, sampler=ResumableSampler(DATASET), num_workers=1
+    )
+    with pytest.raises(ValueError, match="plain DataLoader"):
+        checkpointer(tmp_path, loader)
+
+
+def test_a_loader_generator_also_used_for_augmentation_resumes_exactly(tmp_path: Path) -> None:
+    # The first iterator after a resume must not draw the base seed from the loader's own
+    # generator again: here that generator also drives augmentation, registered with ckpt.
+    def run(store: Path, *, stop_at: int | None, resume: bool) -> list[float]:
+        generator = torch.Generator().manual_seed(3)
+        loader = DataLoader(
+            DATASET, batch_size=2, sampler=ResumableSampler(DATASET, seed=1), generator=generator
+        )
+        ckpt = checkpointer(store, loader, generators={"augment": generator})
+        if resume:
+            ckpt.resume()
+        draws: list[float] = []
+        while ckpt.counters.epoch < 3:
+            for _ in ckpt.batches():
+                draws.append(torch.rand(1, generator=generator).item())
+                if len(draws) == stop_at:
+                    ckpt.save()
+                    return draws
+        return draws
+
+    uninterrupted = run(tmp_path / "a", stop_at=None, resume=False)
+    head = run(tmp_path / "b", stop_at=11, resume=False)
+    assert head + run(tmp_path / "b", stop_at=None, resume=True) == uninterrupted

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from agent import (
+    BundleExistsError,
     BundleFormatError,
     Checkpointer,
     CorruptBundleError,
@@ -349,9 +350,9 @@ def test_a_damaged_blob_in_the_store_is_rewritten_not_referenced_again(tmp_path:
         data=ResumableSampler(16, seed=1),
         extras={"box": Box({"note": "hi"})},
     )
-    again.counters.step = 1
+    again.counters.step = 2
     assert again.save().new_bytes >= victim.stat().st_size
-    assert make(store)[0].resume().step == 1
+    assert make(store)[0].resume().step == 2
 
 
 def test_store_failures_are_store_errors(tmp_path: Path) -> None:
@@ -394,3 +395,33 @@ def test_a_blob_deleted_behind_a_live_checkpointer_is_written_again(tmp_path: Pa
             path.unlink()
     ckpt.save()
     assert make(store)[0].resume().step == 0
+
+
+def test_a_warm_start_into_the_same_run_cannot_replace_its_bundles(tmp_path: Path) -> None:
+    store = saved_store(tmp_path)
+    ckpt, _, _ = make(store)
+    ckpt.resume(layers=["weights"])
+    ckpt.counters.step = 1
+    with pytest.raises(BundleExistsError, match="step 1"):
+        ckpt.save()
+    assert latest_manifest(store, "integrity") is not None
+
+
+def test_a_warm_start_from_another_run_takes_weights_but_not_stale_grads(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    base, model, _ = make(store)
+    model(torch.randn(3, 4)).sum().backward()
+    base.counters.micro_step = 1
+    base.save()
+    torch.manual_seed(1)
+    student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ckpt = Checkpointer(run="student", store=store, models=student, extras={"box": Box()})
+    result = ckpt.resume(from_run="integrity", layers=["weights"])
+    assert result.layers == (Layer.WEIGHTS,)
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), student.parameters(), strict=True)
+    )
+    assert all(p.grad is None for p in student.parameters())
+    assert ckpt.counters.step == 0
+    ckpt.save()  # into its own run
+    assert latest_manifest(store, "student") is not None
