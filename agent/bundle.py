@@ -54,8 +54,6 @@ class WriteStats:
 
     payload_bytes: int = 0
     new_bytes: int = 0
-    blobs: int = 0
-    new_blobs: int = 0
     seen: set[str] = field(default_factory=set)
 
 
@@ -112,9 +110,7 @@ def upload_layer(
     _parallel(lambda item: store.put(keys.blob_key(item[0].sha256), plan.pieces(*item[1])), missing)
     verified.update(new)
     stats.new_bytes += sum(blob.size for blob, _ in missing)
-    stats.new_blobs += len(missing)
     stats.payload_bytes += plan.size
-    stats.blobs += len(blobs)
     return LayerRecord(
         payload_bytes=plan.size,
         header_bytes=len(plan.header),

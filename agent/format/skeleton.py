@@ -171,9 +171,6 @@ def encode(state: object, *, root: KeyPath = ()) -> tuple[JSON, dict[str, torch.
     return skeleton, encoder.tensors
 
 
-TensorLookup: TypeAlias = Callable[[str], torch.Tensor]
-
-
 def decode(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Rebuild the state object from a skeleton and the named tensors it references.
 
