@@ -198,6 +198,11 @@ def latest_manifest(store: ObjectStore, run: str) -> Manifest | None:
     return None
 
 
+def layer_record(manifest: Manifest, *, rank: int, layer: Layer) -> LayerRecord:
+    """What the manifest records for one rank's layer."""
+    return next(r for r in manifest.ranks if r.rank == rank).layers[layer]
+
+
 def read_layer(
     store: ObjectStore, manifest: Manifest, *, rank: int, layer: Layer
 ) -> tuple[JSON, dict[str, torch.Tensor]]:
@@ -210,7 +215,7 @@ def read_layer(
         CorruptBundleError: a blob is missing or does not match the manifest.
         BundleFormatError: the payload is malformed or disagrees with the manifest.
     """
-    record = next(r for r in manifest.ranks if r.rank == rank).layers[layer]
+    record = layer_record(manifest, rank=rank, layer=layer)
     name = bundle_name(manifest)
     target = payload.allocate(record.tensors, header_bytes=record.header_bytes)
     if target.size != record.payload_bytes:

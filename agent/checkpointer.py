@@ -18,6 +18,7 @@ from agent.bundle import (
     bundle_name,
     commit_bundle,
     latest_manifest,
+    layer_record,
     read_layer,
     upload_layer,
 )
@@ -258,7 +259,7 @@ class Checkpointer:
 
     def _read(self, manifest: Manifest, layer: Layer) -> layers.State:
         skeleton_json, tensors = read_layer(self.store, manifest, rank=self.rank, layer=layer)
-        record = next(r for r in manifest.ranks if r.rank == self.rank).layers[layer]
+        record = layer_record(manifest, rank=self.rank, layer=layer)
         self._verified.update(blob.sha256 for blob in record.blobs)
         state: layers.State = skeleton.decode(skeleton_json, tensors)
         return state
