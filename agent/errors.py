@@ -6,7 +6,9 @@
     ├── CorruptBundleError         restore: a blob is missing, has the wrong size or the wrong SHA-256
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
     ├── BundleExistsError          save: the run has another bundle at this step; refusing to replace it
-    └── StoreError                 the object store failed to read or write a key
+    ├── StoreError                 the object store failed to read or write a key
+    └── ControlPlaneError          the control plane refused a request or is unreachable
+        └── FencedError            a newer attempt of the run registered; stop writing
 
 Bad configuration raises ``ValueError`` at construction, with what to change.
 """
@@ -45,3 +47,15 @@ class BundleExistsError(CkptError):
 
 class StoreError(CkptError):
     """The object store could not read or write a key."""
+
+
+class ControlPlaneError(CkptError):
+    """The control plane refused a request or could not be reached (the message says which)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class FencedError(ControlPlaneError):
+    """A newer attempt of the run registered: this process must stop writing and exit."""

@@ -87,6 +87,14 @@ class Versions(_Frozen):
     torch: str
 
 
+class CatalogRef(_Frozen):
+    """Where the control plane keeps the bundle: lets ``ckpt catalog rebuild`` restore lineage."""
+
+    bundle_id: int
+    parent_id: int | None
+    epoch: int
+
+
 class Manifest(_Frozen):
     """The commit record of a bundle; a bundle without one does not exist."""
 
@@ -97,6 +105,7 @@ class Manifest(_Frozen):
     created_at: str
     versions: Versions
     ranks: tuple[RankRecord, ...]
+    catalog: CatalogRef | None = None  # None when written store-only
 
     @model_validator(mode="after")
     def _known_format(self) -> Manifest:

@@ -7,9 +7,17 @@ on a directory and on S3. A ``put`` is atomic: readers see the whole object or n
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlparse
 from urllib.request import url2pathname
+
+
+class StoredObject(NamedTuple):
+    """One object of a listing."""
+
+    key: str
+    size: int
+    modified: float  # seconds since the epoch, when the object was last written
 
 
 @runtime_checkable
@@ -39,6 +47,10 @@ class ObjectStore(Protocol):
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         """Every key that starts with ``prefix``, in lexicographic order."""
+        ...
+
+    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
+        """Every object whose key starts with ``prefix``, with its size and age, by key."""
         ...
 
     def delete(self, key: str) -> None:

@@ -6,8 +6,10 @@ import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from stat import S_ISREG
 
 from agent.errors import StoreError
+from agent.storage.base import StoredObject
 
 
 class DirectoryStore:
@@ -86,17 +88,26 @@ class DirectoryStore:
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
 
     def list_keys(self, prefix: str) -> Iterator[str]:
+        return (item.key for item in self.list_objects(prefix))
+
+    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
         # Walk only the deepest directory the prefix names, not the whole store.
         base = self.root.joinpath(*prefix.split("/")[:-1])
+        found = []
         try:
-            keys = [
-                path.relative_to(self.root).as_posix()
-                for path in base.rglob("*")
-                if path.is_file() and not path.name.startswith(".")
-            ]
+            for path in base.rglob("*"):
+                key = path.relative_to(self.root).as_posix()
+                if path.name.startswith(".") or not key.startswith(prefix):
+                    continue
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
+                    continue  # deleted while listed
+                if S_ISREG(stat.st_mode):
+                    found.append(StoredObject(key, stat.st_size, stat.st_mtime))
         except OSError as err:
             raise StoreError(f"{self.url}: cannot list {prefix!r}: {err}") from err
-        yield from sorted(key for key in keys if key.startswith(prefix))
+        yield from sorted(found)
 
     def delete(self, key: str) -> None:
         try:

@@ -1,0 +1,166 @@
+"""The FastAPI application: routers, the one error handler, body limits, metrics, and the
+periodic garbage-collection task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import __version__
+from service.auth.endpoints import router as tokens_router
+from service.bundles.endpoints import router as bundles_router
+from service.context import Context
+from service.db import upgrade
+from service.errors import PayloadTooLargeError, ServiceError
+from service.gc import service as gc
+from service.gc.endpoints import router as gc_router
+from service.health import router as health_router
+from service.runs.endpoints import router as runs_router
+from service.settings import Settings, embedded_admin_token
+
+log = logging.getLogger("ckpt.service")
+
+
+def create_app(settings: Settings | None = None, *, context: Context | None = None) -> FastAPI:
+    """The control plane for ``settings`` (default: from ``CKPT_*`` variables)."""
+    settings = settings or (context.settings if context else Settings.from_env())
+    if settings.migrate_at_start:
+        upgrade(settings.database_url)
+    context = context or Context.create(settings)
+    admin_token = embedded_admin_token(settings) if settings.embedded else settings.admin_token
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if settings.gc_interval_seconds > 0:
+            task = asyncio.create_task(_collect_periodically(context, settings.gc_interval_seconds))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    app = FastAPI(
+        title="ckpt control plane",
+        version=__version__,
+        summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
+        lifespan=lifespan,
+    )
+    app.state.context = context
+    app.state.admin_token = admin_token
+    for router in (health_router, runs_router, bundles_router, tokens_router, gc_router):
+        app.include_router(router)
+    _handle_errors(app)
+    _count_requests(app, context)
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+async def _collect_periodically(context: Context, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await run_in_threadpool(gc.collect, context)
+        except Exception:  # keep the server up; the next pass tries again
+            log.exception("periodic garbage collection failed")
+
+
+def _handle_errors(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, err: ServiceError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = [_describe(problem) for problem in err.errors()]
+        return JSONResponse(
+            {
+                "error": "invalid_request",
+                "message": "; ".join(problems) or "invalid request",
+                "problems": problems,
+            },
+            status_code=422,
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        return JSONResponse(
+            {"error": code, "message": str(err.detail)},
+            status_code=err.status_code,
+            headers=getattr(err, "headers", None),
+        )
+
+
+def _describe(problem: Any) -> str:
+    where = ".".join(str(part) for part in problem.get("loc", ()))
+    return f"{where}: {problem.get('msg', 'invalid')}"
+
+
+def _count_requests(app: FastAPI, context: Context) -> None:
+    metrics = context.metrics
+
+    @app.middleware("http")
+    async def count(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        metrics.requests.labels(request.method, template, str(response.status_code)).inc()
+        metrics.latency.labels(request.method, template).observe(time.perf_counter() - started)
+        return response
+
+
+class _BodyLimit:
+    """413 for a body over the limit, whether it declares its length or streams chunks."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise PayloadTooLargeError(self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+    def _message(self) -> str:
+        return f"the request body exceeds {self.max_bytes} bytes (CKPT_MAX_BODY_BYTES)"
+
+    async def _refuse(self, send: Send) -> None:
+        body = PayloadTooLargeError(self._message()).body()
+        await JSONResponse(body, status_code=413)({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}

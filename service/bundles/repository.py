@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from datetime import datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, utcnow
+from service.sql import Lock, insert, locked
+
+
+def get_bundle(session: Session, *, bundle_id: int, lock: Lock = Lock.NONE) -> Bundle | None:
+    return session.scalar(locked(select(Bundle).where(Bundle.id == bundle_id), lock))
+
+
+def find_bundle(session: Session, *, attempt_id: int, step: int) -> Bundle | None:
+    return session.scalar(
+        select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.step == step)
+    )
+
+
+def latest_of_attempt(
+    session: Session, *, attempt_id: int, statuses: Collection[str], below_step: int | None = None
+) -> Bundle | None:
+    query = select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.status.in_(statuses))
+    if below_step is not None:
+        query = query.where(Bundle.step < below_step)
+    return session.scalar(query.order_by(Bundle.step.desc(), Bundle.id.desc()).limit(1))
+
+
+def insert_bundle(session: Session, **values: object) -> bool:
+    """Insert a pending bundle unless its (attempt, step) exists; whether it was inserted."""
+    result = session.execute(
+        insert(session, Bundle.__table__)  # type: ignore[arg-type]
+        .values(status=BundleStatus.PENDING, pinned=False, created_at=utcnow(), **values)
+        .on_conflict_do_nothing(index_elements=["attempt_id", "step"])
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def layers_of(session: Session, *, bundle_id: int) -> list[Layer]:
+    return list(
+        session.scalars(
+            select(Layer).where(Layer.bundle_id == bundle_id).order_by(Layer.rank, Layer.id)
+        )
+    )
+
+
+def get_layer(session: Session, *, bundle_id: int, rank: int, layer: str) -> Layer | None:
+    return session.scalar(
+        select(Layer).where(Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer == layer)
+    )
+
+
+def insert_layer(
+    session: Session,
+    *,
+    bundle_id: int,
+    rank: int,
+    layer: str,
+    payload_bytes: int,
+    record: dict[str, object],
+    blobs: list[str],
+) -> bool:
+    """Insert a layer and its blob references unless it exists; whether it was inserted."""
+    result = session.execute(
+        insert(session, Layer.__table__)  # type: ignore[arg-type]
+        .values(
+            bundle_id=bundle_id,
+            rank=rank,
+            layer=layer,
+            payload_bytes=payload_bytes,
+            record=record,
+            recorded_at=utcnow(),
+        )
+        .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
+    )
+    if not result.rowcount:  # type: ignore[attr-defined]
+        return False
+    row = get_layer(session, bundle_id=bundle_id, rank=rank, layer=layer)
+    assert row is not None
+    if blobs:
+        session.execute(
+            insert(session, LayerBlob.__table__).values(  # type: ignore[arg-type]
+                [{"layer_id": row.id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
+            )
+        )
+    return True
+
+
+def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:
+    """Insert blobs not in the catalog yet; (re)start the GC grace period of all of them.
+
+    Rows are touched in hash order so that concurrent claims never deadlock.
+    """
+    if not sizes:
+        return
+    now = utcnow()
+    statement = insert(session, Blob.__table__).values(  # type: ignore[arg-type]
+        [
+            {"sha256": sha, "size": sizes[sha], "created_at": now, "claimed_at": now}
+            for sha in sorted(sizes)
+        ]
+    )
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=["sha256"], set_={"claimed_at": statement.excluded.claimed_at}
+        )
+    )
+
+
+def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
+    found: dict[str, Blob] = {}
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), 1000):
+        chunk = ordered[start : start + 1000]
+        found.update((b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk))))
+    return found
+
+
+def mark_verified(session: Session, *, shas: Collection[str], at: datetime) -> None:
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), 1000):
+        chunk = ordered[start : start + 1000]
+        # Lock in hash order first, as claim_blobs does: an UPDATE locks in scan order.
+        session.execute(
+            select(Blob.sha256).where(Blob.sha256.in_(chunk)).order_by(Blob.sha256).with_for_update()
+        )
+        session.execute(
+            update(Blob).where(Blob.sha256.in_(chunk)).values(verified_at=at)
+        )
+
+
+def referenced_blobs(session: Session, *, bundle_id: int) -> dict[str, int]:
+    """The blobs a bundle's layers reference, with the sizes the catalog records."""
+    rows = session.execute(
+        select(LayerBlob.blob_sha256, Blob.size)
+        .join(Layer, Layer.id == LayerBlob.layer_id)
+        .join(Blob, Blob.sha256 == LayerBlob.blob_sha256, isouter=True)
+        .where(Layer.bundle_id == bundle_id)
+        .distinct()
+    )
+    return {sha: size for sha, size in rows.tuples()}
+
+
+def num_bundles(session: Session) -> int:
+    return session.scalar(select(func.count()).select_from(Bundle)) or 0

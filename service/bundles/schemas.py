@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.completeness import Missing, Part
+from service.contract import BlobRef, LayerRecord, Manifest, Versions
+
+Epoch = Annotated[int, Field(ge=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BundleOpen(_Request):
+    attempt_id: int
+    epoch: Epoch
+    step: Annotated[int, Field(ge=0, le=2**62)]
+    world_size: Annotated[int, Field(ge=1, le=65536)]
+    versions: Versions
+
+
+class LayerPut(_Request):
+    epoch: Epoch
+    record: LayerRecord
+
+
+class Commit(_Request):
+    epoch: Epoch
+
+
+class BlobsQuery(_Request):
+    blobs: Annotated[list[BlobRef], Field(max_length=100_000)]
+
+
+class BlobsMissing(BaseModel):
+    missing: list[str]
+
+
+class BundlePatch(_Request):
+    pinned: bool
+
+
+class RecordedLayer(Part):
+    payload_bytes: int
+    num_blobs: int
+
+
+class BundleOut(BaseModel):
+    id: int
+    run: str
+    step: int
+    world_size: int
+    status: str
+    reason: str | None
+    attempt_id: int | None
+    parent_id: int | None
+    pinned: bool
+    created_at: datetime
+    committed_at: datetime | None
+    recorded: list[RecordedLayer]
+    missing_layers: list[Part]  # per rank, per layer: what is not recorded yet
+    manifest: Manifest | None
+
+
+class Committed(BaseModel):
+    bundle: BundleOut
+    head_id: int | None
+
+
+class IncompleteBody(BaseModel):
+    """The body of a 409 ``incomplete`` commit (documented for clients)."""
+
+    error: str = "incomplete"
+    message: str
+    missing: Missing

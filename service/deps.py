@@ -1,0 +1,31 @@
+"""FastAPI dependencies, as typed aliases so that route signatures read like sentences."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from service.auth.service import Principal, authenticate
+from service.context import Context
+
+
+def get_context(request: Request) -> Context:
+    context: Context = request.app.state.context
+    return context
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
+
+
+def get_principal(
+    request: Request,
+    context: ContextDep,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Principal:
+    return authenticate(
+        context, authorization=authorization, admin_token=request.app.state.admin_token
+    )
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]

@@ -1,0 +1,223 @@
+"""The catalog's tables. Alembic migrations in ``migrations/`` create them; a test proves
+that the migrations and these models agree.
+
+    run ──< attempt ──< bundle ──< layer ──< layer_blob >── blob
+     │                    │ parent_id (lineage), run.head_bundle_id (the live branch's head)
+     └──< rollback        └ attempt.resumed_from_id (resume edges)
+    token (hashed bearer tokens)
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC timestamp on every database (SQLite stores naive text)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert value.tzinfo is not None, "timestamps must be timezone-aware"
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class BundleStatus(enum.StrEnum):
+    PENDING = "pending"
+    COMPLETE = "complete"
+    FAILED = "failed"
+    QUARANTINED = "quarantined"
+    DELETED = "deleted"
+
+
+class EndReason(enum.StrEnum):
+    FINISHED = "finished"
+    PREEMPTED = "preempted"
+    FAILED = "failed"
+
+
+class Role(enum.StrEnum):
+    ADMIN = "admin"
+    RUN = "run"  # reads and writes one run
+    READ = "read"  # reads every run
+
+
+# Bundles whose blobs garbage collection must keep.
+LIVE_STATUSES = (BundleStatus.PENDING, BundleStatus.COMPLETE)
+
+
+def _choices(column: str, values: type[enum.StrEnum]) -> str:
+    return f"{column} IN ({', '.join(repr(str(v)) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: dict[Any, Any] = {datetime: UTCDateTime, int: Integer}
+
+
+class Run(Base):
+    __tablename__ = "run"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime]
+    epoch: Mapped[int] = mapped_column(default=0)  # the current attempt's epoch
+    head_bundle_id: Mapped[int | None] = mapped_column(
+        ForeignKey("bundle.id", use_alter=True, ondelete="SET NULL")
+    )
+    keep_last: Mapped[int | None]
+    keep_every: Mapped[int | None]
+
+
+class Attempt(Base):
+    __tablename__ = "attempt"
+    __table_args__ = (
+        UniqueConstraint("run_id", "epoch"),
+        CheckConstraint(_choices("end_reason", EndReason), name="end_reason"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
+    epoch: Mapped[int]
+    pod: Mapped[str | None] = mapped_column(String(253))
+    node: Mapped[str | None] = mapped_column(String(253))
+    started_at: Mapped[datetime]
+    heartbeat_at: Mapped[datetime | None]
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    ended_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(String(16))
+    final_save_committed: Mapped[bool | None] = mapped_column(Boolean)
+    resumed_from_id: Mapped[int | None] = mapped_column(
+        ForeignKey("bundle.id", use_alter=True, ondelete="SET NULL")
+    )
+
+
+class Bundle(Base):
+    __tablename__ = "bundle"
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "step"),
+        CheckConstraint(_choices("status", BundleStatus), name="status"),
+        CheckConstraint("step >= 0", name="step"),
+        CheckConstraint("world_size >= 1", name="world_size"),
+        Index(None, "run_id", "status", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempt.id", ondelete="SET NULL"))
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("bundle.id", ondelete="SET NULL"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    world_size: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)  # why it failed, was quarantined or deleted
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+    committed_at: Mapped[datetime | None]
+    versions: Mapped[dict[str, Any]] = mapped_column(JSON)  # of the writer (ckpt, python, torch)
+    manifest: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # once complete
+
+
+class Layer(Base):
+    __tablename__ = "layer"
+    __table_args__ = (
+        UniqueConstraint("bundle_id", "rank", "layer"),
+        CheckConstraint("rank >= 0", name="rank"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    bundle_id: Mapped[int] = mapped_column(ForeignKey("bundle.id", ondelete="CASCADE"))
+    rank: Mapped[int]
+    layer: Mapped[str] = mapped_column(String(16))
+    payload_bytes: Mapped[int] = mapped_column(BigInteger)
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)  # the LayerRecord, as sent
+    recorded_at: Mapped[datetime]
+
+
+class LayerBlob(Base):
+    """Which blobs a layer references, in payload order (what GC marks from)."""
+
+    __tablename__ = "layer_blob"
+
+    layer_id: Mapped[int] = mapped_column(
+        ForeignKey("layer.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(primary_key=True)
+    blob_sha256: Mapped[str] = mapped_column(String(64), index=True)
+
+
+class Blob(Base):
+    __tablename__ = "blob"
+    __table_args__ = (CheckConstraint("size >= 0", name="size"),)
+
+    sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime]
+    claimed_at: Mapped[datetime]  # last recorded or reported present: GC's grace starts here
+    verified_at: Mapped[datetime | None]  # the service read it back and its SHA-256 matched
+
+
+class Rollback(Base):
+    __tablename__ = "rollback"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    from_bundle_id: Mapped[int | None] = mapped_column(
+        ForeignKey("bundle.id", ondelete="SET NULL")
+    )
+    to_bundle_id: Mapped[int] = mapped_column(ForeignKey("bundle.id", ondelete="CASCADE"))
+    epoch: Mapped[int]  # the run's epoch after the rollback (it fences every attempt)
+    created_at: Mapped[datetime]
+
+
+class Token(Base):
+    __tablename__ = "token"
+    __table_args__ = (CheckConstraint(_choices("role", Role), name="role"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    role: Mapped[str] = mapped_column(String(8))
+    run_name: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]

@@ -1,0 +1,104 @@
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.models import Attempt, Bundle, Rollback, Run, utcnow
+from service.sql import Lock, insert, locked
+
+
+def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | None:
+    return session.scalar(locked(select(Run).where(Run.name == name), lock))
+
+
+def get_run_by_id(session: Session, *, run_id: int, lock: Lock = Lock.NONE) -> Run:
+    run = session.scalar(locked(select(Run).where(Run.id == run_id), lock))
+    assert run is not None, f"run {run_id} vanished"
+    return run
+
+
+def ensure_run(
+    session: Session, *, name: str, keep_last: int | None = None, keep_every: int | None = None
+) -> tuple[Run, bool]:
+    """The run, locked for update, created if absent; and whether it was created."""
+    table = Run.__table__
+    result = session.execute(
+        insert(session, table)  # type: ignore[arg-type]
+        .values(name=name, created_at=utcnow(), epoch=0, keep_last=keep_last, keep_every=keep_every)
+        .on_conflict_do_nothing(index_elements=["name"])
+    )
+    run = get_run(session, name=name, lock=Lock.UPDATE)
+    assert run is not None
+    return run, bool(result.rowcount)  # type: ignore[attr-defined]
+
+
+def page_runs(session: Session, *, after: str | None, limit: int, prefix: str | None) -> list[Run]:
+    query = select(Run).order_by(Run.name).limit(limit)
+    if after is not None:
+        query = query.where(Run.name > after)
+    if prefix:
+        query = query.where(Run.name.startswith(prefix, autoescape=True))
+    return list(session.scalars(query))
+
+
+def count_bundles(session: Session, *, run_id: int) -> dict[str, int]:
+    rows = session.execute(
+        select(Bundle.status, func.count()).where(Bundle.run_id == run_id).group_by(Bundle.status)
+    )
+    return {status: count for status, count in rows.tuples()}
+
+
+def add_attempt(
+    session: Session,
+    *,
+    run: Run,
+    pod: str | None,
+    node: str | None,
+    resumed_from_id: int | None,
+) -> Attempt:
+    attempt = Attempt(
+        run_id=run.id,
+        epoch=run.epoch,
+        pod=pod,
+        node=node,
+        started_at=utcnow(),
+        resumed_from_id=resumed_from_id,
+    )
+    session.add(attempt)
+    session.flush()
+    return attempt
+
+
+def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) -> Attempt | None:
+    return session.scalar(locked(select(Attempt).where(Attempt.id == attempt_id), lock))
+
+
+def run_attempts(session: Session, *, run_id: int) -> list[Attempt]:
+    return list(
+        session.scalars(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.epoch))
+    )
+
+
+def run_bundles(session: Session, *, run_id: int) -> list[Bundle]:
+    return list(session.scalars(select(Bundle).where(Bundle.run_id == run_id).order_by(Bundle.id)))
+
+
+def add_rollback(
+    session: Session, *, run: Run, from_bundle_id: int | None, to_bundle_id: int
+) -> Rollback:
+    rollback = Rollback(
+        run_id=run.id,
+        from_bundle_id=from_bundle_id,
+        to_bundle_id=to_bundle_id,
+        epoch=run.epoch,
+        created_at=utcnow(),
+    )
+    session.add(rollback)
+    session.flush()
+    return rollback
+
+
+def run_rollbacks(session: Session, *, run_id: int) -> list[Rollback]:
+    return list(
+        session.scalars(select(Rollback).where(Rollback.run_id == run_id).order_by(Rollback.id))
+    )

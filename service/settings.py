@@ -1,0 +1,131 @@
+"""The control plane's settings, from ``CKPT_*`` environment variables.
+
+With none set, ``ckpt server`` is the embedded default: a SQLite catalog and a directory
+store under ``./.ckpt/``, bound to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_PORT = 8470
+TOKEN_PREFIX = "ckpt_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated settings of one control-plane process.
+
+    Attributes:
+        database_url: SQLAlchemy URL of the catalog (``CKPT_DATABASE_URL``); default
+            ``sqlite:///.ckpt/catalog.db``; production: ``postgresql+psycopg://...``.
+        store: the object store holding the blobs (``CKPT_STORE``), as the agent names it.
+        host, port: where ``ckpt server`` listens (``CKPT_HOST``, ``CKPT_PORT``).
+        admin_token: the bootstrap admin bearer token (``CKPT_ADMIN_TOKEN``). Unset on the
+            embedded SQLite default: one is generated into ``admin_token_file``.
+        admin_token_file: where the embedded server keeps its generated admin token
+            (``CKPT_ADMIN_TOKEN_FILE``, default ``.ckpt/admin-token``).
+        auto_migrate: upgrade the schema at start (``CKPT_AUTO_MIGRATE``; default on for
+            SQLite, off for a shared database, where the migrations Job does it).
+        gc_interval_seconds: how often the server runs retention and GC (``CKPT_GC_INTERVAL_SECONDS``,
+            default 600; 0 turns the periodic task off).
+        pending_ttl_seconds: a bundle still pending after this long fails (``CKPT_PENDING_TTL_SECONDS``).
+        blob_grace_seconds: an unreferenced blob younger than this is never deleted, so an
+            upload that has not been recorded yet survives (``CKPT_BLOB_GRACE_SECONDS``).
+        keep_last, keep_every: the retention policy of runs that set none (``CKPT_KEEP_LAST``,
+            ``CKPT_KEEP_EVERY``); unset keeps every complete bundle.
+        max_body_bytes: larger request bodies get 413 (``CKPT_MAX_BODY_BYTES``, default 16 MiB).
+    """
+
+    database_url: str = "sqlite:///.ckpt/catalog.db"
+    store: str = ".ckpt/store"
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    admin_token: str | None = None
+    admin_token_file: str = ".ckpt/admin-token"
+    auto_migrate: bool | None = None
+    gc_interval_seconds: float = 600.0
+    pending_ttl_seconds: float = 6 * 3600.0
+    blob_grace_seconds: float = 3600.0
+    keep_last: int | None = None
+    keep_every: int | None = None
+    max_body_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("gc_interval_seconds", "pending_ttl_seconds", "blob_grace_seconds"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value}")
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or unset), got {value}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be 1-65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("CKPT_ADMIN_TOKEN must be at least 16 characters")
+
+    @property
+    def embedded(self) -> bool:
+        """Whether the catalog is a SQLite file (one process owns it)."""
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def migrate_at_start(self) -> bool:
+        return self.embedded if self.auto_migrate is None else self.auto_migrate
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Settings from ``CKPT_<NAME>`` variables; keyword ``overrides`` win."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            variable = f"CKPT_{field.name.upper()}"
+            if overrides.get(field.name) is not None:
+                values[field.name] = overrides[field.name]
+            elif env.get(variable):
+                values[field.name] = _parse(field.name, variable, env[variable])
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(name: str, variable: str, text: str) -> object:
+    kind = {field.name: field.type for field in fields(Settings)}[name]
+    try:
+        if "bool" in str(kind):
+            if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("1", "true", "yes")
+        if "int" in str(kind):
+            return int(text)
+        if "float" in str(kind):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{variable}={text!r} is not a valid {kind}") from None
+    return text
+
+
+def new_token() -> str:
+    """A fresh bearer token: the prefix makes it recognisable in logs and secret scanners."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def embedded_admin_token(settings: Settings) -> str:
+    """The admin token: configured, or read from (created in) the embedded token file."""
+    if settings.admin_token:
+        return settings.admin_token
+    path = Path(settings.admin_token_file)
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = new_token()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token

@@ -1,0 +1,33 @@
+"""The two SQL idioms both databases spell differently: upserts and row locks."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+from sqlalchemy import Select, Table
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+
+class Lock(enum.Enum):
+    NONE = "none"
+    SHARE = "share"  # others may read and share-lock, not change
+    UPDATE = "update"  # exclusive until the transaction ends
+
+
+S = TypeVar("S", bound=Select[Any])
+
+
+def locked(statement: S, lock: Lock) -> S:
+    """``statement`` with a row lock (SQLite ignores it: its transactions lock the file)."""
+    if lock is Lock.NONE:
+        return statement
+    return statement.with_for_update(read=lock is Lock.SHARE)
+
+
+def insert(session: Session, table: Table) -> Any:
+    """An INSERT that knows ``on_conflict_do_nothing`` / ``_do_update`` on this database."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)

@@ -1,0 +1,155 @@
+"""Fixtures for the control plane: real databases (a throwaway PostgreSQL database on
+127.0.0.1:5432 and SQLite files), a directory store, and the app served by uvicorn on a
+loopback port, spoken to over real HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import uvicorn
+
+from agent.storage import DirectoryStore
+from service.app import create_app
+from service.context import Context
+from service.db import upgrade
+from service.settings import Settings
+
+PG_ADMIN = os.environ.get("CKPT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+def create_pg_database() -> str:
+    """A new, empty database on the test PostgreSQL server; returns its SQLAlchemy URL."""
+    name = f"ckpt_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    return PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + "/" + name
+
+
+def drop_pg_database(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def pg_databases() -> Iterator[list[str]]:
+    """Every PostgreSQL database the session created; all dropped at the end."""
+    created: list[str] = []
+    yield created
+    for url in created:
+        drop_pg_database(url)
+
+
+@dataclass
+class Server:
+    """A running control plane: its URL, admin token, catalog context and store."""
+
+    url: str
+    context: Context
+    store: DirectoryStore
+    admin_token: str = ADMIN_TOKEN
+
+    def client(self, token: str | None = ADMIN_TOKEN) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
+
+    @property
+    def backend(self) -> str:
+        return self.context.engine.dialect.name
+
+
+class _Uvicorn(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # it runs in a thread
+        pass
+
+
+def serve(app: Any) -> tuple[str, Callable[[], None]]:
+    """Serve ``app`` on a free loopback port in a thread; returns (url, stop)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = _Uvicorn(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        threading.Event().wait(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+MakeServer = Callable[..., Server]
+
+
+@pytest.fixture
+def make_server(
+    tmp_path_factory: pytest.TempPathFactory, pg_databases: list[str]
+) -> Iterator[MakeServer]:
+    """Start a fresh control plane: ``make_server("postgres" | "sqlite", **settings)``."""
+    stops: list[Callable[[], None]] = []
+    contexts: list[Context] = []
+
+    def make(backend: str, **overrides: Any) -> Server:
+        root = tmp_path_factory.mktemp("plane")
+        if backend == "postgres":
+            url = create_pg_database()
+            pg_databases.append(url)
+        else:
+            url = f"sqlite:///{root / 'catalog.db'}"
+        upgrade(url)
+        values: dict[str, Any] = {
+            "database_url": url,
+            "store": str(root / "store"),
+            "admin_token": ADMIN_TOKEN,
+            "admin_token_file": str(root / "admin-token"),
+            "gc_interval_seconds": 0,
+            "auto_migrate": False,
+        }
+        values.update(overrides)
+        settings = Settings(**values)
+        context = Context.create(settings)
+        contexts.append(context)
+        url_, stop = serve(create_app(settings, context=context))
+        stops.append(stop)
+        store = context.store
+        assert isinstance(store, DirectoryStore)
+        return Server(url=url_, context=context, store=store)
+
+    yield make
+    for stop in stops:
+        stop()
+    for context in contexts:
+        context.close()
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def server(request: pytest.FixtureRequest, make_server: MakeServer) -> Server:
+    """A fresh control plane on each database."""
+    backend: str = request.param
+    return make_server(backend)
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"run-{uuid.uuid4().hex[:8]}"
+
+
+def store_root(server: Server) -> Path:
+    return server.store.root
