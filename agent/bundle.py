@@ -77,20 +77,21 @@ def _sha256(pieces: Iterator[memoryview]) -> str:
     return digest.hexdigest()
 
 
+HeldBlobs = Callable[[list[BlobRef]], set[str]]
+
+
 def upload_layer(
     store: ObjectStore,
     state: LayerState,
     *,
     blob_bytes: int,
     stats: WriteStats,
-    verified: set[str],
+    held: HeldBlobs,
 ) -> LayerRecord:
     """Lay out one payload, hash its blobs and put those the store does not hold intact.
 
-    Every blob's presence and size are checked at each save (something else may have
-    deleted it). ``verified`` holds blobs this process wrote or checked: a blob the store
-    holds that is not among them is read back and hashed once before it is trusted, so a
-    damaged blob is rewritten rather than referenced again.
+    ``held`` answers which of the new blobs the store already holds intact: the store
+    itself (``store_held``) or the control plane (``/v1/blobs/missing``).
     """
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes)
@@ -105,10 +106,9 @@ def upload_layer(
         if blob.sha256 not in stats.seen
     }
     stats.seen.update(hashes)
-    intact = _parallel(lambda item: _stored_intact(store, item[0], verified), new.values())
-    missing = [item for item, ok in zip(new.values(), intact, strict=True) if not ok]
+    present = held([blob for blob, _ in new.values()]) if new else set()
+    missing = [item for sha, item in new.items() if sha not in present]
     _parallel(lambda item: store.put(keys.blob_key(item[0].sha256), plan.pieces(*item[1])), missing)
-    verified.update(new)
     stats.new_bytes += sum(blob.size for blob, _ in missing)
     stats.payload_bytes += plan.size
     return LayerRecord(
@@ -117,6 +117,24 @@ def upload_layer(
         blobs=tuple(blobs),
         tensors=plan.index,
     )
+
+
+def store_held(store: ObjectStore, verified: set[str]) -> HeldBlobs:
+    """Ask the store itself which blobs it holds intact.
+
+    Every blob's presence and size are checked at each save (something else may have
+    deleted it). ``verified`` holds blobs this process wrote or checked: a blob the store
+    holds that is not among them is read back and hashed once before it is trusted, so a
+    damaged blob is rewritten rather than referenced again. Blobs answered here (written
+    next, or found intact) join ``verified``.
+    """
+
+    def held(blobs: list[BlobRef]) -> set[str]:
+        intact = _parallel(lambda blob: _stored_intact(store, blob, verified), blobs)
+        verified.update(blob.sha256 for blob in blobs)
+        return {blob.sha256 for blob, ok in zip(blobs, intact, strict=True) if ok}
+
+    return held
 
 
 def _stored_intact(store: ObjectStore, blob: BlobRef, verified: set[str]) -> bool:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import platform
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -13,6 +16,7 @@ from torch import nn
 
 from agent import layers
 from agent.bundle import (
+    HeldBlobs,
     LayerState,
     WriteStats,
     bundle_name,
@@ -20,8 +24,10 @@ from agent.bundle import (
     latest_manifest,
     layer_record,
     read_layer,
+    store_held,
     upload_layer,
 )
+from agent.client import ControlPlane, IncompleteCommit, Registration, default_token
 from agent.config import Config
 from agent.counters import Counters
 from agent.data import Resumed, data_source
@@ -32,7 +38,8 @@ from agent.policy import Position, SavePolicy
 from agent.stateful import Stateful
 from agent.storage import ObjectStore, open_store
 from agent.storage.keys import manifest_key
-from service.contract import RESTORE_ORDER, Layer, Manifest
+from service import __version__
+from service.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, Manifest, Versions
 
 log = logging.getLogger("ckpt")
 
@@ -184,6 +191,12 @@ class Checkpointer:
         self._epoch_batches: Iterator[Any] | None = None  # the live iterator of this epoch
         self._own_steps: set[int] = set()  # steps of bundles this process resumed or wrote
         self._verified: set[str] = set()  # blobs known to be intact in the store
+        self.control = (
+            ControlPlane(self.config.server, token=self.config.token or default_token())
+            if self.config.server
+            else None
+        )
+        self._attempt: Registration | None = None  # this process's attempt, once registered
 
     @property
     def counters(self) -> Counters:
@@ -219,7 +232,7 @@ class Checkpointer:
         """
         wanted = {Layer(layer) for layer in layers}
         source_run = from_run or self.config.run
-        manifest = latest_manifest(self.store, source_run)
+        manifest = self._find_resumable(source_run, own=from_run is None)
         if manifest is None:
             log.info(
                 "run %s: no resumable bundle in %s; starting fresh", source_run, self.store.url
@@ -256,6 +269,31 @@ class Checkpointer:
             [str(x) for x in restored],
         )
         return ResumeResult(bundle=name, step=manifest.step, layers=restored)
+
+    def _find_resumable(self, run: str, *, own: bool) -> Manifest | None:
+        """Store-only: the newest valid manifest. With a control plane: register this attempt
+        (fencing every older one) and take the bundle the service says to resume from."""
+        if self.control is None:
+            return latest_manifest(self.store, run)
+        self._attempt = self._register(resume=own)
+        return self._attempt.resume_from if own else self.control.resumable(run)
+
+    def _register(self, *, resume: bool) -> Registration:
+        assert self.control is not None
+        attempt = self.control.register(
+            self.config.run,
+            pod=os.environ.get("CKPT_POD") or socket.gethostname(),
+            node=os.environ.get("CKPT_NODE"),
+            resume=resume,
+        )
+        log.info(
+            "run %s: registered attempt %d (epoch %d) with %s",
+            self.config.run,
+            attempt.attempt_id,
+            attempt.epoch,
+            self.control.url,
+        )
+        return attempt
 
     def _read(self, manifest: Manifest, layer: Layer) -> layers.State:
         skeleton_json, tensors = read_layer(self.store, manifest, rank=self.rank, layer=layer)
@@ -316,27 +354,20 @@ class Checkpointer:
         Raises:
             UnrepresentableStateError: a state value has no safe representation (names its key path).
             StoreError: the store failed; no manifest was written, so no bundle exists.
+            FencedError: a newer attempt of the run registered; this process must stop.
+            ControlPlaneError: the control plane refused the bundle (its message says why)
+                or stayed unreachable through the retries.
         """
         started = time.perf_counter()
-        self._check_not_replacing(self.counters.step)
+        step = self.counters.step
+        if self.control is None:
+            self._check_not_replacing(step)
         states = self._capture()
         stats = WriteStats()
-        records = {
-            layer: upload_layer(
-                self.store,
-                state,
-                blob_bytes=self.config.blob_bytes,
-                stats=stats,
-                verified=self._verified,
-            )
-            for layer, state in states.items()
-        }
-        manifest = commit_bundle(
-            self.store,
-            run=self.config.run,
-            step=self.counters.step,
-            world_size=self.world_size,
-            ranks={self.rank: records},
+        manifest = (
+            self._persist_store_only(states, stats, step=step)
+            if self.control is None
+            else self._persist_with_control_plane(states, stats, step=step)
         )
         self._own_steps.add(manifest.step)
         self._last_saved = self._position()
@@ -357,6 +388,87 @@ class Checkpointer:
             result.seconds,
         )
         return result
+
+    def _upload(
+        self, states: Mapping[Layer, LayerState], stats: WriteStats, held: HeldBlobs
+    ) -> dict[Layer, LayerRecord]:
+        return {
+            layer: upload_layer(
+                self.store, state, blob_bytes=self.config.blob_bytes, stats=stats, held=held
+            )
+            for layer, state in states.items()
+        }
+
+    def _persist_store_only(
+        self, states: Mapping[Layer, LayerState], stats: WriteStats, *, step: int
+    ) -> Manifest:
+        records = self._upload(states, stats, store_held(self.store, self._verified))
+        return commit_bundle(
+            self.store,
+            run=self.config.run,
+            step=step,
+            world_size=self.world_size,
+            ranks={self.rank: records},
+        )
+
+    def _persist_with_control_plane(
+        self, states: Mapping[Layer, LayerState], stats: WriteStats, *, step: int
+    ) -> Manifest:
+        """Open, upload what the store lacks, record every layer, commit. A commit that finds
+        blobs gone (collected while this save deduplicated against them) uploads them again."""
+        control = self.control
+        assert control is not None
+        if self._attempt is None:
+            self._attempt = self._register(resume=False)
+        attempt = self._attempt
+        bundle_id = control.open_bundle(
+            self.config.run,
+            attempt=attempt,
+            step=step,
+            world_size=self.world_size,
+            versions=Versions(
+                ckpt=__version__, python=platform.python_version(), torch=torch.__version__
+            ),
+        )
+        force: set[str] = set()
+
+        def held(blobs: list[BlobRef]) -> set[str]:
+            return {b.sha256 for b in blobs} - control.missing_blobs(blobs) - force
+
+        for _ in range(2):
+            records = self._upload(states, stats, held)
+            for layer, record in records.items():
+                control.record_layer(
+                    bundle_id, rank=self.rank, layer=layer, epoch=attempt.epoch, record=record
+                )
+            try:
+                return control.commit(bundle_id, epoch=attempt.epoch)
+            except IncompleteCommit as err:
+                if not err.blobs:
+                    raise
+                log.warning("bundle %d: %d blob(s) vanished; uploading them again", bundle_id, len(err.blobs))
+                force = err.blobs
+                stats.seen.clear()
+                stats.payload_bytes = 0
+        return control.commit(bundle_id, epoch=attempt.epoch)
+
+    def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
+        """Tell the control plane how this attempt ended (finished, preempted or failed).
+
+        A no-op store-only, or when no attempt was registered.
+        """
+        if self.control is not None and self._attempt is not None:
+            self.control.end(
+                self._attempt.attempt_id,
+                reason=reason,
+                final_save_committed=final_save_committed,
+                step=self.counters.step,
+            )
+
+    def close(self) -> None:
+        """Release the control-plane connection (the attempt is not ended: see ``end``)."""
+        if self.control is not None:
+            self.control.close()
 
     def _check_not_replacing(self, step: int) -> None:
         if step in self._own_steps or self.store.size(manifest_key(self.config.run, step)) is None:

@@ -36,7 +36,8 @@ class Config:
         store: where bundles go: a directory or ``file://`` URL (``CKPT_STORE``,
             default ``./.ckpt/store``).
         server: the control plane's URL (``CKPT_SERVER``); unset means store-only.
-        token: the bearer token for the control plane (``CKPT_TOKEN``).
+        token: the bearer token for the control plane (``CKPT_TOKEN``; else the embedded
+            server's ``.ckpt/admin-token`` file, where there is one).
         every_steps: save when the optimizer step reaches a multiple of this (``CKPT_EVERY_STEPS``).
         every_seconds: save when this long has passed since the last save (``CKPT_EVERY_SECONDS``).
         blob_bytes: the largest blob a payload is cut into (``CKPT_BLOB_BYTES``, default 64 MiB).
@@ -62,11 +63,6 @@ class Config:
             raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
         if self.server is not None and urlparse(self.server).scheme not in ("http", "https"):
             raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
-        if self.server is not None:
-            raise ValueError(
-                f"a control plane ({self.server}) is configured, but this version of the agent "
-                "works store-only; unset CKPT_SERVER / server="
-            )
 
     @classmethod
     def resolve(

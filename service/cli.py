@@ -2,15 +2,29 @@
 
 Each subcommand imports what it needs when it runs, so the command works in a training
 image (no FastAPI) and in a control-plane image (no torch) alike.
+
+    ckpt demo                      train, kill, resume, compare (needs the agent extra)
+    ckpt server | migrate | gc     run the control plane, upgrade its schema, collect garbage
+    ckpt token create              mint a bearer token in the catalog
+    ckpt catalog rebuild           recreate the catalog from the manifests in the store
+    ckpt runs | resumable | bundle ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from typing import TYPE_CHECKING
 
 from service import __version__
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.context import Context
+
+Handler = Callable[[argparse.Namespace], int]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
         help="train, kill, resume in a new process, and check the result is bit-exact",
     )
+    _add_server_commands(commands)
+    _add_client_commands(commands)
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
@@ -37,7 +53,214 @@ def main(argv: Sequence[str] | None = None) -> int:
                 2, f"ckpt demo needs the training extra: pip install 'ckpt[agent]' ({err})\n"
             )
         return demo(rest)
-    raise AssertionError(f"unhandled command {args.command}")
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:  # a command group without its subcommand
+        parser.parse_args([args.command, "--help"])
+        return 2
+    try:
+        return handler(args)
+    except ImportError as err:
+        parser.exit(2, f"ckpt {args.command} needs the server extra: pip install 'ckpt[server]' ({err})\n")
+
+
+def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    server = commands.add_parser(
+        "server", help="run the control plane (embedded default: SQLite + ./.ckpt/store)"
+    )
+    server.add_argument("--host", help="listen address (CKPT_HOST, default 127.0.0.1)")
+    server.add_argument("--port", type=int, help="port (CKPT_PORT, default 8470)")
+    server.set_defaults(handler=_server)
+
+    migrate = commands.add_parser("migrate", help="upgrade the catalog schema (CKPT_DATABASE_URL)")
+    migrate.add_argument("--revision", default="head", help="target revision (default: head)")
+    migrate.set_defaults(handler=_migrate)
+
+    gc = commands.add_parser("gc", help="apply retention and delete unreferenced blobs now")
+    gc.add_argument("--dry-run", action="store_true", help="report what would go; change nothing")
+    gc.set_defaults(handler=_gc)
+
+    token = commands.add_parser("token", help="manage bearer tokens").add_subparsers(
+        dest="token_command", metavar="ACTION"
+    )
+    create = token.add_parser("create", help="create a token in the catalog and print it once")
+    create.add_argument("--role", required=True, choices=["admin", "run", "read"])
+    create.add_argument("--run", help="the run a 'run' token may read and write")
+    create.add_argument("--name", default="cli", help="a label shown in listings")
+    create.set_defaults(handler=_token_create)
+
+    catalog = commands.add_parser("catalog", help="maintain the catalog").add_subparsers(
+        dest="catalog_command", metavar="ACTION"
+    )
+    rebuild = catalog.add_parser(
+        "rebuild", help="recreate missing runs and bundles from the manifests in the store"
+    )
+    rebuild.set_defaults(handler=_catalog_rebuild)
+
+
+def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--server", help="control plane URL (CKPT_SERVER, default http://127.0.0.1:8470)")
+    common.add_argument("--token", help="bearer token (CKPT_TOKEN, else ./.ckpt/admin-token)")
+    common.add_argument("--json", action="store_true", help="print the raw JSON answer")
+
+    runs = commands.add_parser("runs", parents=[common], help="list runs and their heads")
+    runs.add_argument("--prefix", help="only runs whose name starts with this")
+    runs.add_argument("--limit", type=int, default=50)
+    runs.add_argument("--after", help="start after this run name (the previous page's end)")
+    runs.set_defaults(handler=_runs)
+
+    resumable = commands.add_parser(
+        "resumable", parents=[common], help="the latest resumable bundle of a run"
+    )
+    resumable.add_argument("run")
+    resumable.set_defaults(handler=_resumable)
+
+    bundle = commands.add_parser("bundle", parents=[common], help="one bundle and its layers")
+    bundle.add_argument("id", type=int)
+    bundle.set_defaults(handler=_bundle)
+
+
+def _settings(**overrides: object) -> Settings:
+    try:
+        return Settings.from_env(**overrides)
+    except ValueError as err:
+        raise SystemExit(f"ckpt: bad configuration: {err}") from None
+
+
+def _server(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = _settings(host=args.host, port=args.port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app = create_app(settings)
+    where = f"http://{settings.host}:{settings.port}"
+    print(f"ckpt control plane {__version__} on {where}", flush=True)
+    print(f"  catalog: {_redact(settings.database_url)}", flush=True)
+    print(f"  store:   {app.state.context.store.url}", flush=True)
+    if settings.embedded and not settings.admin_token:
+        print(f"  admin token: in {settings.admin_token_file}", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
+    return 0
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from service.db import upgrade
+
+    settings = _settings()
+    upgrade(settings.database_url, args.revision)
+    print(f"catalog {_redact(settings.database_url)} is at {args.revision}")
+    return 0
+
+
+def _context() -> Context:
+    from service.context import Context
+    from service.db import upgrade
+
+    settings = _settings()
+    if settings.migrate_at_start:
+        upgrade(settings.database_url)
+    return Context.create(settings)
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from service.gc.service import collect
+
+    context = _context()
+    try:
+        report = collect(context, dry_run=args.dry_run)
+    finally:
+        context.close()
+    print(report.model_dump_json(indent=2))
+    return 0
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.auth.schemas import TokenCreate
+    from service.auth.service import create_token
+
+    try:
+        request = TokenCreate(role=args.role, run=args.run, name=args.name)
+    except ValidationError as err:
+        raise SystemExit(f"ckpt token create: {err.errors()[0]['msg']}") from None
+    context = _context()
+    try:
+        created = create_token(context, request)
+    finally:
+        context.close()
+    scope = f" for run {created.run}" if created.run else ""
+    print(f"created {created.role} token {created.id} ({created.name}){scope}:", file=sys.stderr)
+    print(created.token)
+    return 0
+
+
+def _catalog_rebuild(_: argparse.Namespace) -> int:
+    from service.rebuild import rebuild
+
+    context = _context()
+    try:
+        report = rebuild(context)
+    finally:
+        context.close()
+    print(report.model_dump_json(indent=2))
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from service.client_cli import format_runs
+
+    params: dict[str, object] = {"limit": args.limit}
+    for name in ("prefix", "after"):
+        if getattr(args, name):
+            params[name] = getattr(args, name)
+    return _ask(args, "/v1/runs", params, format_runs)
+
+
+def _resumable(args: argparse.Namespace) -> int:
+    from service.client_cli import format_resumable
+
+    return _ask(args, f"/v1/runs/{args.run}/resumable", {}, format_resumable)
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    from service.client_cli import format_bundle
+
+    return _ask(args, f"/v1/bundles/{args.id}", {}, format_bundle)
+
+
+def _ask(
+    args: argparse.Namespace,
+    path: str,
+    params: dict[str, object],
+    formatter: Callable[[dict[str, object]], str],
+) -> int:
+    from service.client_cli import get
+
+    status, body = get(server=args.server, token=args.token, path=path, params=params)
+    if status >= 400:
+        print(f"ckpt: {status}: {body.get('message', body)}", file=sys.stderr)
+        return 1
+    print(_json(body) if args.json else formatter(body))
+    return 0
+
+
+def _json(body: object) -> str:
+    import json
+
+    return json.dumps(body, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,7 +13,9 @@ import torch
 RunTrainer = Callable[..., dict[str, Any]]
 
 
-def run_trainer(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[str, Any]:
+def run_trainer(
+    store: Path, out: Path, *args: str, expect_rc: int = 0, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run the demo training job in a fresh process and load what it wrote."""
     command = [
         sys.executable,
@@ -24,7 +27,14 @@ def run_trainer(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[
         str(out),
         *args,
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
     assert done.returncode == expect_rc, (
         f"{command} exited {done.returncode}:\n{done.stderr[-4000:]}"
     )

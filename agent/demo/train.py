@@ -205,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             if counters.epoch == args.save_at_epoch_end:
                 save_and_maybe_die(job, kill=args.kill_after_save)
     torch.save(final_state(job), args.out)
+    job.ckpt.end("finished")
+    job.ckpt.close()
 
 
 def parse_position(text: str) -> tuple[int, int]:

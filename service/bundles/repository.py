@@ -146,3 +146,20 @@ def referenced_blobs(session: Session, *, bundle_id: int) -> dict[str, int]:
 
 def num_bundles(session: Session) -> int:
     return session.scalar(select(func.count()).select_from(Bundle)) or 0
+
+
+def add_bundle(session: Session, **values: object) -> Bundle:
+    bundle = Bundle(pinned=False, created_at=utcnow(), **values)
+    session.add(bundle)
+    session.flush()
+    return bundle
+
+
+def run_steps(session: Session, *, run_id: int, statuses: Collection[str]) -> dict[int, Bundle]:
+    """The run's bundles in these statuses by step (the newest id wins a shared step)."""
+    rows = session.scalars(
+        select(Bundle)
+        .where(Bundle.run_id == run_id, Bundle.status.in_(statuses))
+        .order_by(Bundle.id)
+    )
+    return {bundle.step: bundle for bundle in rows}

@@ -23,7 +23,14 @@ from agent import (
     StoreError,
     UnrepresentableStateError,
 )
-from agent.bundle import LayerState, WriteStats, commit_bundle, latest_manifest, upload_layer
+from agent.bundle import (
+    LayerState,
+    WriteStats,
+    commit_bundle,
+    latest_manifest,
+    store_held,
+    upload_layer,
+)
 from agent.format.skeleton import JSON
 from agent.storage import DirectoryStore, keys
 from service.contract import Layer, Manifest
@@ -194,7 +201,7 @@ def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str,
     skeleton: JSON = {"models": {}, "masters": {}, "extras": {"box": crafted}, "grads": None}
     stats = WriteStats()
     record = upload_layer(
-        store, LayerState(skeleton, {}), blob_bytes=1 << 20, stats=stats, verified=set()
+        store, LayerState(skeleton, {}), blob_bytes=1 << 20, stats=stats, held=store_held(store, set())
     )
     layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
     commit_bundle(store, run="integrity", step=5, world_size=1, ranks={0: layers})

@@ -1,0 +1,83 @@
+"""End to end: the agent against a real ``ckpt server`` process and the directory store.
+
+Train, save, get killed, resume in a new process through ``POST /v1/runs/{run}/attempts``,
+and compare bit for bit with a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.demo.compare import differences
+from tests.conftest import run_trainer
+from tests.server_process import ckpt_server
+from tests.service.conftest import create_pg_database, drop_pg_database
+
+pytestmark = pytest.mark.slow
+
+STEPS = ("--steps", "24", "--total-steps", "32")
+EVERY = ("--every", "8")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("reference")
+    return run_trainer(root / "store", root / "reference.pt", *STEPS)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest) -> Any:
+    if request.param == "sqlite":
+        yield None
+        return
+    url = create_pg_database()
+    yield url
+    drop_pg_database(url)
+
+
+def test_killed_run_resumes_through_the_control_plane_bit_exactly(
+    tmp_path: Path, reference: dict[str, Any], database_url: str | None
+) -> None:
+    with ckpt_server(tmp_path, database_url=database_url) as server:
+        env = {**server.env(), "CKPT_RUN": "e2e"}
+        run_trainer(
+            server.store,
+            tmp_path / "killed.pt",
+            *STEPS,
+            *EVERY,
+            "--run",
+            "e2e",
+            "--save-at",
+            "12.2",
+            "--kill-after-save",
+            expect_rc=-9,
+            env=env,
+        )
+        with server.client() as client:
+            first = client.get("/v1/runs/e2e/resumable").json()
+            assert first["step"] == 12
+        resumed = run_trainer(
+            server.store, tmp_path / "resumed.pt", *STEPS, *EVERY, "--run", "e2e", env=env
+        )
+        assert resumed["positions"][0] == (12, 3)
+        assert differences(reference, resumed) == []
+        with server.client() as client:
+            lineage = client.get("/v1/runs/e2e/lineage").json()
+    attempts = lineage["attempts"]
+    assert [a["epoch"] for a in attempts] == [1, 2]
+    assert attempts[0]["end_reason"] is None  # killed: it never said goodbye
+    assert attempts[1]["end_reason"] == "finished"
+    assert attempts[1]["resumed_from_id"] == first["bundle_id"]
+    assert lineage["resume_edges"] == [{"bundle": first["bundle_id"], "attempt": attempts[1]["id"]}]
+    bundles = {b["step"]: b for b in lineage["bundles"]}
+    assert sorted(bundles) == [8, 12, 16, 24]
+    assert {b["status"] for b in bundles.values()} == {"complete"}
+    # Each bundle's parent is the previous one, across the restart (the resume edge).
+    assert bundles[8]["parent_id"] is None
+    for before, after in ((8, 12), (12, 16), (16, 24)):
+        assert bundles[after]["parent_id"] == bundles[before]["id"]
+    assert lineage["head_id"] == lineage["resumable_id"] == bundles[24]["id"]
+    assert lineage["live_branch"] == [bundles[s]["id"] for s in (24, 16, 12, 8)]

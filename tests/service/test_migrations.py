@@ -1,0 +1,154 @@
+"""The Alembic migrations and ``service.models`` agree, on PostgreSQL and on SQLite, and the
+migrations go down and up again cleanly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Column, Engine, Integer, MetaData, String, inspect, select
+
+from service.db import alembic_config, make_engine, schema_revision, upgrade
+from service.models import Base
+from tests.service.conftest import create_pg_database, drop_pg_database
+
+NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database: a new PostgreSQL database or a new SQLite file."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'catalog.db'}"
+        return
+    url = create_pg_database()
+    try:
+        yield url
+    finally:
+        drop_pg_database(url)
+
+
+@pytest.fixture
+def engine(database_url: str) -> Iterator[Engine]:
+    engine = make_engine(database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def diff(engine: Engine, metadata: MetaData = Base.metadata) -> list[Any]:
+    """What autogenerate would change to bring the database to ``metadata``."""
+    with engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": True})
+        return list(compare_metadata(context, metadata))
+
+
+def tables(engine: Engine) -> set[str]:
+    return set(inspect(engine).get_table_names())
+
+
+def model_tables() -> set[str]:
+    return set(Base.metadata.tables)
+
+
+def head_revision(url: str) -> str:
+    heads = ScriptDirectory.from_config(alembic_config(url)).get_heads()
+    assert len(heads) == 1, f"the migrations must have one head, not {heads}"
+    return heads[0]
+
+
+def copy_of_models() -> MetaData:
+    metadata = MetaData(naming_convention=Base.metadata.naming_convention)
+    for table in Base.metadata.sorted_tables:
+        table.to_metadata(metadata)
+    return metadata
+
+
+def test_a_fresh_database_starts_at_no_revision(database_url: str, engine: Engine) -> None:
+    assert tables(engine) == set()
+    assert schema_revision(engine) == (None, head_revision(database_url))
+    # Not upgraded yet, the agreement check sees every model table as missing.
+    added = {change[1].name for change in diff(engine) if change[0] == "add_table"}
+    assert added == model_tables()
+
+
+def test_migrations_and_models_agree(database_url: str, engine: Engine) -> None:
+    upgrade(database_url)
+    assert tables(engine) == model_tables() | {"alembic_version"}
+    assert diff(engine) == []
+    head = head_revision(database_url)
+    assert schema_revision(engine) == (head, head)
+
+
+def test_the_agreement_check_sees_an_extra_column(database_url: str, engine: Engine) -> None:
+    upgrade(database_url)
+    metadata = copy_of_models()
+    assert diff(engine, metadata) == []  # the copy alone changes nothing
+    metadata.tables["run"].append_column(Column("extra", Integer, nullable=True))
+    changes = diff(engine, metadata)
+    assert len(changes) == 1, changes
+    kind, schema, table, column = changes[0]
+    assert (kind, schema, table, column.name) == ("add_column", None, "run", "extra")
+
+
+def test_the_agreement_check_sees_a_changed_type(database_url: str, engine: Engine) -> None:
+    upgrade(database_url)
+    metadata = copy_of_models()
+    metadata.tables["bundle"].c.world_size.type = String(32)
+    changes = diff(engine, metadata)
+    assert len(changes) == 1, changes
+    (change,) = changes[0]  # column modifications come grouped in a list
+    assert change[0] == "modify_type"
+    assert (change[2], change[3]) == ("bundle", "world_size")
+
+
+def test_the_agreement_check_sees_a_table_the_models_lack(
+    database_url: str, engine: Engine
+) -> None:
+    upgrade(database_url)
+    metadata = copy_of_models()
+    metadata.remove(metadata.tables["token"])
+    changes = diff(engine, metadata)
+    assert [(change[0], change[1].name) for change in changes] == [("remove_table", "token")]
+
+
+def test_upgrading_twice_is_a_no_op(database_url: str, engine: Engine) -> None:
+    upgrade(database_url)
+    run = Base.metadata.tables["run"]
+    with engine.begin() as connection:
+        connection.execute(run.insert().values(name="kept", created_at=NOW, epoch=3))
+    before = schema_revision(engine)
+
+    upgrade(database_url)
+
+    assert schema_revision(engine) == before
+    assert tables(engine) == model_tables() | {"alembic_version"}
+    assert diff(engine) == []
+    with engine.connect() as connection:
+        rows = connection.execute(select(run.c.name, run.c.epoch, run.c.created_at)).all()
+    assert [tuple(row) for row in rows] == [("kept", 3, NOW)]
+
+
+def test_downgrade_to_base_and_upgrade_again(database_url: str, engine: Engine) -> None:
+    head = head_revision(database_url)
+    upgrade(database_url)
+    assert schema_revision(engine) == (head, head)
+
+    command.downgrade(alembic_config(database_url), "base")
+
+    assert tables(engine) <= {"alembic_version"}
+    assert schema_revision(engine) == (None, head)
+
+    upgrade(database_url)
+
+    assert tables(engine) == model_tables() | {"alembic_version"}
+    assert diff(engine) == []
+    assert schema_revision(engine) == (head, head)
