@@ -49,7 +49,26 @@ _EXPORTS = {
     "Layer": "service.contract",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BundleExistsError",
+    "BundleFormatError",
+    "Checkpointer",
+    "CkptError",
+    "ControlPlaneError",
+    "CorruptBundleError",
+    "Counters",
+    "FencedError",
+    "IncompatibleBundleError",
+    "Layer",
+    "PerSampleRNG",
+    "ResumableSampler",
+    "ResumeResult",
+    "SaveResult",
+    "StoreError",
+    "UnrepresentableStateError",
+    "__version__",
+]
+assert sorted(__all__) == sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> object:

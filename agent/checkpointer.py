@@ -27,7 +27,7 @@ from agent.bundle import (
     store_held,
     upload_layer,
 )
-from agent.client import ControlPlane, IncompleteCommit, Registration, default_token
+from agent.client import ControlPlane, IncompleteCommitError, Registration, default_token
 from agent.config import Config
 from agent.counters import Counters
 from agent.data import Resumed, data_source
@@ -443,10 +443,14 @@ class Checkpointer:
                 )
             try:
                 return control.commit(bundle_id, epoch=attempt.epoch)
-            except IncompleteCommit as err:
+            except IncompleteCommitError as err:
                 if not err.blobs:
                     raise
-                log.warning("bundle %d: %d blob(s) vanished; uploading them again", bundle_id, len(err.blobs))
+                log.warning(
+                    "bundle %d: %d blob(s) vanished; uploading them again",
+                    bundle_id,
+                    len(err.blobs),
+                )
                 force = err.blobs
                 stats.seen.clear()
                 stats.payload_bytes = 0

@@ -35,7 +35,7 @@ class Registration:
     resume_bundle_id: int | None
 
 
-class IncompleteCommit(ControlPlaneError):
+class IncompleteCommitError(ControlPlaneError):
     """The commit found parts missing; ``missing`` is the server's list."""
 
     def __init__(self, message: str, *, missing: dict[str, Any]) -> None:
@@ -76,7 +76,9 @@ class ControlPlane:
     def close(self) -> None:
         self._http.close()
 
-    def register(self, run: str, *, pod: str | None, node: str | None, resume: bool) -> Registration:
+    def register(
+        self, run: str, *, pod: str | None, node: str | None, resume: bool
+    ) -> Registration:
         body = self._call(
             "POST", f"/v1/runs/{run}/attempts", {"pod": pod, "node": node, "resume": resume}
         )
@@ -160,7 +162,9 @@ class ControlPlane:
                 if status not in _RETRY_STATUSES:
                     raise _error(response, f"{method} {path}: {problem}")
             if time.monotonic() + delay > deadline:
-                raise ControlPlaneError(f"{method} {path}: {problem} (gave up retrying)", status=status)
+                raise ControlPlaneError(
+                    f"{method} {path}: {problem} (gave up retrying)", status=status
+                )
             log.warning("%s %s: %s; retrying in %.1f s", method, path, problem, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
@@ -183,5 +187,5 @@ def _error(response: httpx.Response, message: str) -> ControlPlaneError:
     if code == "fenced":
         return FencedError(message, status=409)
     if code == "incomplete":
-        return IncompleteCommit(message, missing=body.get("missing", {}))
+        return IncompleteCommitError(message, missing=body.get("missing", {}))
     return ControlPlaneError(message, status=response.status_code)

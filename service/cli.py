@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-
 from typing import TYPE_CHECKING
 
 from service import __version__
@@ -62,7 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return handler(args)
     except ImportError as err:
-        parser.exit(2, f"ckpt {args.command} needs the server extra: pip install 'ckpt[server]' ({err})\n")
+        parser.exit(
+            2, f"ckpt {args.command} needs the server extra: pip install 'ckpt[server]' ({err})\n"
+        )
 
 
 def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -101,7 +102,9 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--server", help="control plane URL (CKPT_SERVER, default http://127.0.0.1:8470)")
+    common.add_argument(
+        "--server", help="control plane URL (CKPT_SERVER, default http://127.0.0.1:8470)"
+    )
     common.add_argument("--token", help="bearer token (CKPT_TOKEN, else ./.ckpt/admin-token)")
     common.add_argument("--json", action="store_true", help="print the raw JSON answer")
 
@@ -138,6 +141,7 @@ def _server(args: argparse.Namespace) -> int:
 
     settings = _settings(host=args.host, port=args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     app = create_app(settings)
     where = f"http://{settings.host}:{settings.port}"
     print(f"ckpt control plane {__version__} on {where}", flush=True)

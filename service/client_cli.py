@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def get(
 
 
 def format_runs(body: dict[str, Any]) -> str:
-    rows = [("RUN", "EPOCH", "HEAD", "RESUMABLE", "BUNDLES")]
+    rows: list[tuple[str, ...]] = [("RUN", "EPOCH", "HEAD", "RESUMABLE", "BUNDLES")]
     for run in body["runs"]:
         rows.append(
             (
@@ -76,7 +77,7 @@ def format_bundle(body: dict[str, Any]) -> str:
         f"  world size {body['world_size']}, attempt {body['attempt_id']}, parent {body['parent_id']}",
         f"  created {body['created_at']}, committed {body['committed_at'] or '-'}",
     ]
-    rows = [("RANK", "LAYER", "BYTES", "BLOBS")]
+    rows: list[tuple[str, ...]] = [("RANK", "LAYER", "BYTES", "BLOBS")]
     rows += [
         (str(x["rank"]), x["layer"], str(x["payload_bytes"]), str(x["num_blobs"]))
         for x in body["recorded"]
@@ -92,7 +93,7 @@ def _ref(ref: dict[str, Any] | None) -> str:
     return f"{ref['id']}@{ref['step']}" if ref else "-"
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()

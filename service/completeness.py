@@ -68,7 +68,10 @@ def missing(
         if not any((rank, layer) in recorded for layer in RESTORE_ORDER)
     ]
     usage: dict[str, tuple[int, list[Part]]] = {}
-    for (rank, layer), record in sorted(recorded.items()):
+    in_order = sorted(
+        recorded.items(), key=lambda item: (item[0][0], RESTORE_ORDER.index(item[0][1]))
+    )
+    for (rank, layer), record in in_order:
         for blob in record.blobs:
             size, parts = usage.setdefault(blob.sha256, (blob.size, []))
             if Part(rank=rank, layer=layer) not in parts:

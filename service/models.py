@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -93,7 +93,7 @@ def _choices(column: str, values: type[enum.StrEnum]) -> str:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map: dict[Any, Any] = {datetime: UTCDateTime, int: Integer}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UTCDateTime, int: Integer}
 
 
 class Run(Base):
@@ -202,9 +202,7 @@ class Rollback(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    from_bundle_id: Mapped[int | None] = mapped_column(
-        ForeignKey("bundle.id", ondelete="SET NULL")
-    )
+    from_bundle_id: Mapped[int | None] = mapped_column(ForeignKey("bundle.id", ondelete="SET NULL"))
     to_bundle_id: Mapped[int] = mapped_column(ForeignKey("bundle.id", ondelete="CASCADE"))
     epoch: Mapped[int]  # the run's epoch after the rollback (it fences every attempt)
     created_at: Mapped[datetime]

@@ -40,7 +40,11 @@ def rebuild(context: Context) -> RebuildReport:
     report = RebuildReport()
     by_run: dict[str, list[Manifest]] = defaultdict(list)
     try:
-        found = [o.key for o in context.store.list_objects("runs/") if keys.manifest_step(o.key) is not None]
+        found = [
+            o.key
+            for o in context.store.list_objects("runs/")
+            if keys.manifest_step(o.key) is not None
+        ]
         for key in found:
             try:
                 manifest = Manifest.model_validate_json(context.store.get(key))
@@ -57,7 +61,9 @@ def rebuild(context: Context) -> RebuildReport:
     return report
 
 
-def _rebuild_run(context: Context, name: str, manifests: list[Manifest], report: RebuildReport) -> None:
+def _rebuild_run(
+    context: Context, name: str, manifests: list[Manifest], report: RebuildReport
+) -> None:
     with context.transaction() as session:
         run, _ = runs_repository.ensure_run(session, name=name)
         present = repository.run_steps(
@@ -115,7 +121,9 @@ def _rebuild_run(context: Context, name: str, manifests: list[Manifest], report:
 
 
 def _blobs_present(context: Context, manifest: Manifest) -> bool:
-    blobs = {b.sha256: b.size for r in manifest.ranks for rec in r.layers.values() for b in rec.blobs}
+    blobs = {
+        b.sha256: b.size for r in manifest.ranks for rec in r.layers.values() for b in rec.blobs
+    }
     return all(context.store.size(keys.blob_key(sha)) == size for sha, size in blobs.items())
 
 

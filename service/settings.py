@@ -82,7 +82,7 @@ class Settings:
         return self.embedded if self.auto_migrate is None else self.auto_migrate
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+    def from_env(cls, env: Mapping[str, str] | None = None, /, **overrides: object) -> Settings:
         """Settings from ``CKPT_<NAME>`` variables; keyword ``overrides`` win."""
         env = os.environ if env is None else env
         values: dict[str, object] = {}

@@ -108,7 +108,10 @@ def upgrade() -> None:
             ondelete="SET NULL",
         ),
         sa.ForeignKeyConstraint(
-            ["parent_id"], ["bundle.id"], name=op.f("fk_bundle_parent_id_bundle"), ondelete="SET NULL"
+            ["parent_id"],
+            ["bundle.id"],
+            name=op.f("fk_bundle_parent_id_bundle"),
+            ondelete="SET NULL",
         ),
         sa.ForeignKeyConstraint(
             ["run_id"], ["run.id"], name=op.f("fk_bundle_run_id_run"), ondelete="CASCADE"
@@ -149,7 +152,9 @@ def upgrade() -> None:
             ["bundle_id"], ["bundle.id"], name=op.f("fk_layer_bundle_id_bundle"), ondelete="CASCADE"
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_layer")),
-        sa.UniqueConstraint("bundle_id", "rank", "layer", name=op.f("uq_layer_bundle_id_rank_layer")),
+        sa.UniqueConstraint(
+            "bundle_id", "rank", "layer", name=op.f("uq_layer_bundle_id_rank_layer")
+        ),
     )
     op.create_table(
         "rollback",
@@ -183,13 +188,14 @@ def upgrade() -> None:
         sa.Column("seq", sa.Integer(), nullable=False),
         sa.Column("blob_sha256", sa.String(length=64), nullable=False),
         sa.ForeignKeyConstraint(
-            ["layer_id"], ["layer.id"], name=op.f("fk_layer_blob_layer_id_layer"), ondelete="CASCADE"
+            ["layer_id"],
+            ["layer.id"],
+            name=op.f("fk_layer_blob_layer_id_layer"),
+            ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("layer_id", "seq", name=op.f("pk_layer_blob")),
     )
-    op.create_index(
-        op.f("ix_layer_blob_blob_sha256"), "layer_blob", ["blob_sha256"], unique=False
-    )
+    op.create_index(op.f("ix_layer_blob_blob_sha256"), "layer_blob", ["blob_sha256"], unique=False)
 
 
 def downgrade() -> None:

@@ -10,7 +10,9 @@ router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
 
 @router.post("", status_code=201)
-def create_token(request: TokenCreate, principal: PrincipalDep, context: ContextDep) -> TokenCreated:
+def create_token(
+    request: TokenCreate, principal: PrincipalDep, context: ContextDep
+) -> TokenCreated:
     """Create a token (admin only). The secret is in this response and nowhere else."""
     service.require_admin(principal)
     return service.create_token(context, request)

@@ -1,8 +1,8 @@
 """Bearer tokens: an admin token from configuration, and hashed tokens in the catalog.
 
-    admin  reads and writes everything, creates and revokes tokens
-    run    reads and writes one run (what a training job gets)
-    read   reads every run
+admin  reads and writes everything, creates and revokes tokens
+run    reads and writes one run (what a training job gets)
+read   reads every run
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def authenticate(context: Context, *, authorization: str | None, admin_token: str | None) -> Principal:
+def authenticate(
+    context: Context, *, authorization: str | None, admin_token: str | None
+) -> Principal:
     """The principal behind an ``Authorization: Bearer ...`` header."""
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():

@@ -40,6 +40,7 @@ def open_bundle(
 
 @router.put("/bundles/{bundle}/layers/{rank}/{layer}", responses=CONFLICTS)
 def record_layer(
+    *,
     bundle: int,
     rank: RankPath,
     layer: Layer,

@@ -115,7 +115,9 @@ def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
     ordered = sorted(shas)
     for start in range(0, len(ordered), 1000):
         chunk = ordered[start : start + 1000]
-        found.update((b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk))))
+        found.update(
+            (b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk)))
+        )
     return found
 
 
@@ -125,11 +127,12 @@ def mark_verified(session: Session, *, shas: Collection[str], at: datetime) -> N
         chunk = ordered[start : start + 1000]
         # Lock in hash order first, as claim_blobs does: an UPDATE locks in scan order.
         session.execute(
-            select(Blob.sha256).where(Blob.sha256.in_(chunk)).order_by(Blob.sha256).with_for_update()
+            select(Blob.sha256)
+            .where(Blob.sha256.in_(chunk))
+            .order_by(Blob.sha256)
+            .with_for_update()
         )
-        session.execute(
-            update(Blob).where(Blob.sha256.in_(chunk)).values(verified_at=at)
-        )
+        session.execute(update(Blob).where(Blob.sha256.in_(chunk)).values(verified_at=at))
 
 
 def referenced_blobs(session: Session, *, bundle_id: int) -> dict[str, int]:
@@ -141,7 +144,7 @@ def referenced_blobs(session: Session, *, bundle_id: int) -> dict[str, int]:
         .where(Layer.bundle_id == bundle_id)
         .distinct()
     )
-    return {sha: size for sha, size in rows.tuples()}
+    return {sha: size for sha, size in rows}
 
 
 def num_bundles(session: Session) -> int:

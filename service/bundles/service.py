@@ -35,7 +35,7 @@ from service.bundles.schemas import (
     LayerPut,
     RecordedLayer,
 )
-from service.completeness import Part, StoredBlob
+from service.completeness import StoredBlob
 from service.context import Context
 from service.contract import CatalogRef, Layer, LayerRecord, Manifest, RankRecord, Versions
 from service.errors import (
@@ -162,20 +162,22 @@ def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> 
     return BlobsMissing(missing=sorted(set(sizes) - set(held)))
 
 
-def commit(
-    context: Context, principal: Principal, *, bundle_id: int, request: Commit
-) -> Committed:
+def commit(context: Context, principal: Principal, *, bundle_id: int, request: Commit) -> Committed:
     """Make the bundle complete if nothing is missing; else 409 listing exactly what is."""
     for _ in range(_COMMIT_ROUNDS):
         with context.transaction() as session:
             bundle, run, attempt = _for_write(session, principal, bundle_id, lock=Lock.NONE)
             _check_epoch(context, run, attempt=attempt, claimed=request.epoch)
             if bundle.status == BundleStatus.COMPLETE:
-                return Committed(bundle=bundle_out(session, bundle, run), head_id=run.head_bundle_id)
+                return Committed(
+                    bundle=bundle_out(session, bundle, run), head_id=run.head_bundle_id
+                )
             _check_pending(bundle)
             plan = _plan(session, bundle)
         stored = _check_blobs(context.store, plan)
-        done = _finish_commit(context, principal, bundle_id, request=request, plan=plan, stored=stored)
+        done = _finish_commit(
+            context, principal, bundle_id, request=request, plan=plan, stored=stored
+        )
         if done is not None:
             return done
     raise ConflictError(
@@ -232,9 +234,7 @@ def bundle_out(session: Session, bundle: Bundle, run: Run) -> BundleOut:
             )
             for row in layers
         ],
-        missing_layers=completeness.missing_layers(
-            world_size=bundle.world_size, recorded=recorded
-        ),
+        missing_layers=completeness.missing_layers(world_size=bundle.world_size, recorded=recorded),
         manifest=Manifest.model_validate(bundle.manifest) if bundle.manifest else None,
     )
 
@@ -326,7 +326,10 @@ def _finish_commit(
 
 
 def _manifest(
-    bundle: Bundle, run: Run, attempt: Attempt | None, records: Mapping[tuple[int, Layer], LayerRecord]
+    bundle: Bundle,
+    run: Run,
+    attempt: Attempt | None,
+    records: Mapping[tuple[int, Layer], LayerRecord],
 ) -> Manifest:
     ranks: dict[int, dict[Layer, LayerRecord]] = {}
     for (rank, layer), record in sorted(records.items()):
@@ -396,7 +399,9 @@ def _check_extends_head(session: Session, run: Run, attempt: Attempt, *, step: i
     base = repository.latest_of_attempt(
         session, attempt_id=attempt.id, statuses=(BundleStatus.COMPLETE,)
     )
-    base = base or (session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None)
+    base = base or (
+        session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None
+    )
     if base is None and run.head_bundle_id is not None:
         head = session.get(Bundle, run.head_bundle_id)
         raise ConflictError(

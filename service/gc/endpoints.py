@@ -12,9 +12,7 @@ router = APIRouter(prefix="/v1", tags=["gc"])
 
 
 @router.post("/gc")
-async def collect(
-    principal: PrincipalDep, context: ContextDep, dry_run: bool = False
-) -> GcReport:
+async def collect(principal: PrincipalDep, context: ContextDep, dry_run: bool = False) -> GcReport:
     """Run retention and garbage collection now (admin only)."""
     require_admin(principal)
     return await run_in_threadpool(service.collect, context, dry_run=dry_run)

@@ -61,7 +61,12 @@ def lock_blobs(
     holds are skipped (a record or commit is using them)."""
     statement = insert(session, Blob.__table__).values(  # type: ignore[arg-type]
         [
-            {"sha256": sha, "size": sizes[sha], "created_at": first_seen[sha], "claimed_at": first_seen[sha]}
+            {
+                "sha256": sha,
+                "size": sizes[sha],
+                "created_at": first_seen[sha],
+                "claimed_at": first_seen[sha],
+            }
             for sha in sorted(sizes)
         ]
     )
@@ -96,5 +101,7 @@ def orphan_blob_rows(session: Session, *, claimed_before: datetime) -> list[Blob
 
 
 def claimed_at(session: Session, *, shas: Collection[str]) -> dict[str, datetime]:
-    rows = session.execute(select(Blob.sha256, Blob.claimed_at).where(Blob.sha256.in_(sorted(shas))))
-    return {sha: at for sha, at in rows.tuples()}
+    rows = session.execute(
+        select(Blob.sha256, Blob.claimed_at).where(Blob.sha256.in_(sorted(shas)))
+    )
+    return {sha: at for sha, at in rows}

@@ -39,8 +39,12 @@ def list_runs(
     principal: PrincipalDep,
     context: ContextDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    after: Annotated[str | None, Query(max_length=128, description="the previous page's next")] = None,
-    prefix: Annotated[str | None, Query(max_length=128, description="names starting with this")] = None,
+    after: Annotated[
+        str | None, Query(max_length=128, description="the previous page's next")
+    ] = None,
+    prefix: Annotated[
+        str | None, Query(max_length=128, description="names starting with this")
+    ] = None,
 ) -> RunPage:
     """Runs by name, a page at a time."""
     return service.list_runs(context, principal, after=after, limit=limit, prefix=prefix)

@@ -45,7 +45,7 @@ def count_bundles(session: Session, *, run_id: int) -> dict[str, int]:
     rows = session.execute(
         select(Bundle.status, func.count()).where(Bundle.run_id == run_id).group_by(Bundle.status)
     )
-    return {status: count for status, count in rows.tuples()}
+    return {status: count for status, count in rows}
 
 
 def add_attempt(

@@ -201,7 +201,11 @@ def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str,
     skeleton: JSON = {"models": {}, "masters": {}, "extras": {"box": crafted}, "grads": None}
     stats = WriteStats()
     record = upload_layer(
-        store, LayerState(skeleton, {}), blob_bytes=1 << 20, stats=stats, held=store_held(store, set())
+        store,
+        LayerState(skeleton, {}),
+        blob_bytes=1 << 20,
+        stats=stats,
+        held=store_held(store, set()),
     )
     layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
     commit_bundle(store, run="integrity", step=5, world_size=1, ranks={0: layers})

@@ -70,6 +70,7 @@ class Row:
     body: Callable[[World], Any] | None = None
     check: Callable[[str, World, httpx.Response], str | None] | None = None
     in_schema: bool = True
+    overrides: dict[str, int] = field(default_factory=dict)  # principal -> status
 
 
 def _listed_runs(principal: str, world: World, response: httpx.Response) -> str | None:
@@ -95,7 +96,14 @@ TABLE: list[Row] = [
     Row("GET", "/openapi.json", Access.OPEN, 200, lambda w: "/openapi.json", in_schema=False),
     Row("GET", "/v1/runs", Access.ANY, 200, lambda w: "/v1/runs", check=_listed_runs),
     Row("GET", "/v1/runs/{run}", Access.READ, 200, lambda w: f"/v1/runs/{w.run}"),
-    Row("GET", "/v1/runs/{run}", Access.READ, 404, lambda w: f"/v1/runs/{w.run}-nope"),
+    Row(  # a run that does not exist: a run token may not read it either way
+        "GET",
+        "/v1/runs/{run}",
+        Access.READ,
+        404,
+        lambda w: f"/v1/runs/{w.run}-nope",
+        overrides={"own": 403},
+    ),
     Row(
         "GET",
         "/v1/runs/{run}/resumable",
@@ -116,8 +124,17 @@ TABLE: list[Row] = [
         lambda w: "/v1/blobs/missing",
         body=lambda w: {"blobs": [{"sha256": "ab" * 32, "size": 3}]},
     ),
-    Row(
+    Row(  # the run exists: a conflict, once the caller may write it
         "POST", "/v1/runs", Access.WRITE, 409, lambda w: "/v1/runs", body=lambda w: {"name": w.run}
+    ),
+    Row(  # a new run: a run token may create its own run only
+        "POST",
+        "/v1/runs",
+        Access.WRITE,
+        201,
+        lambda w: "/v1/runs",
+        body=lambda w: {"name": f"{w.run}-new"},
+        overrides={"own": 403},
     ),
     Row(
         "PATCH",
@@ -276,6 +293,8 @@ def assert_status(server: Server, token: str, method: str, path: str, status: in
 
 
 def expected_status(row: Row, principal: str) -> int:
+    if principal in row.overrides:
+        return row.overrides[principal]
     if principal in ALLOWED[row.access]:
         return row.status
     return 401 if principal in UNAUTHENTICATED else 403

@@ -22,7 +22,15 @@ def test_the_agent_loads_no_web_stack(forbidden: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "statement", ["import service", "import service.contract", "import service.cli"]
+    "statement",
+    [
+        "import service",
+        "import service.contract",
+        "import service.cli",
+        "import service.app",
+        "import service.rebuild",
+        "import service.gc.service",
+    ],
 )
 def test_the_service_loads_no_torch(statement: str) -> None:
     modules = loaded_after(statement)
