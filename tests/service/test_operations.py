@@ -14,8 +14,8 @@ import httpx
 import pytest
 from sqlalchemy import delete
 
-from service.models import Blob, Bundle, Layer, LayerBlob, Rollback, Run, Token
 from service.models import Attempt as AttemptRow
+from service.models import Blob, Bundle, Layer, LayerBlob, Rollback, Run, Token
 from tests.service.conftest import MakeServer, Server, create_pg_database, serve
 from tests.service.helpers import open_bundle, register, save
 
