@@ -35,8 +35,10 @@ def insert_bundle(session: Session, **values: object) -> bool:
         insert(session, Bundle.__table__)  # type: ignore[arg-type]
         .values(status=BundleStatus.PENDING, pinned=False, created_at=utcnow(), **values)
         .on_conflict_do_nothing(index_elements=["attempt_id", "step"])
+        .returning(Bundle.id)
     )
-    return bool(result.rowcount)  # type: ignore[attr-defined]
+    # rowcount is -1 on some drivers for INSERT .. ON CONFLICT; a returned row is not.
+    return result.first() is not None
 
 
 def layers_of(session: Session, *, bundle_id: int) -> list[Layer]:
@@ -75,15 +77,15 @@ def insert_layer(
             recorded_at=utcnow(),
         )
         .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
+        .returning(Layer.id)
     )
-    if not result.rowcount:  # type: ignore[attr-defined]
+    layer_id = result.scalar()
+    if layer_id is None:
         return False
-    row = get_layer(session, bundle_id=bundle_id, rank=rank, layer=layer)
-    assert row is not None
     if blobs:
         session.execute(
             insert(session, LayerBlob.__table__).values(  # type: ignore[arg-type]
-                [{"layer_id": row.id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
+                [{"layer_id": layer_id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
             )
         )
     return True

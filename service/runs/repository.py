@@ -26,10 +26,12 @@ def ensure_run(
         insert(session, table)  # type: ignore[arg-type]
         .values(name=name, created_at=utcnow(), epoch=0, keep_last=keep_last, keep_every=keep_every)
         .on_conflict_do_nothing(index_elements=["name"])
+        .returning(Run.id)
     )
+    created = result.first() is not None
     run = get_run(session, name=name, lock=Lock.UPDATE)
     assert run is not None
-    return run, bool(result.rowcount)  # type: ignore[attr-defined]
+    return run, created
 
 
 def page_runs(session: Session, *, after: str | None, limit: int, prefix: str | None) -> list[Run]:

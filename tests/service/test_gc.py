@@ -20,6 +20,7 @@ from sqlalchemy import select
 
 from agent.storage import DirectoryStore, keys
 from service.contract import RESTORE_ORDER, LayerRecord, Manifest
+from service.gc import service as gc_service
 from service.gc.service import GcReport, collect
 from service.models import Blob, Layer, LayerBlob, utcnow
 from tests.service.conftest import MakeServer, Server
@@ -350,6 +351,62 @@ def test_blobs_reported_present_are_claimed(make_server: MakeServer, backend: st
     # The claim lasts one grace period.
     assert collect(server.context, now=utcnow() + timedelta(seconds=900)).deleted_blobs == 1
     assert not blob_present(server.store, claimed.sha256)
+
+
+@pytest.mark.parametrize("use", ["record", "claim"])
+def test_blob_used_during_the_sweep_is_kept(
+    make_server: MakeServer,
+    backend: str,
+    run_name: str,
+    use: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A blob that is unreferenced when the collector lists the store, then recorded (or
+    reported present) before it is deleted, survives: the decision is re-made under the
+    blob's row lock."""
+    server = make_server(backend, blob_grace_seconds=600)
+    with server.client() as client:
+        attempt = register(client, run_name)
+        opened = open_bundle(client, run_name, attempt, step=1)
+        bundle_id = opened.json()["id"]
+        records = {
+            layer: make_layer(server.store, size=32 + i)[0] for i, layer in enumerate(RESTORE_ORDER)
+        }
+        for key in list(store_listing(server.store)):
+            age(server.store, key, 3600)  # every blob is old and, so far, unreferenced
+        late = records[RESTORE_ORDER[0]]
+        for layer, rec in records.items():
+            if layer is not RESTORE_ORDER[0]:
+                assert record(client, bundle_id, 0, layer, attempt["epoch"], rec).status_code == 200
+
+        real_batch = gc_service._sweep_batch
+        used: list[int] = []
+
+        def batch_after_use(*args: Any, **kwargs: Any) -> None:
+            if not used:  # between the listing and the locked re-check
+                if use == "record":
+                    response = record(
+                        client, bundle_id, 0, RESTORE_ORDER[0], attempt["epoch"], late
+                    )
+                else:
+                    blobs = [b.model_dump() for b in late.blobs]
+                    response = client.post("/v1/blobs/missing", json={"blobs": blobs})
+                    assert response.json()["missing"] == []
+                assert response.status_code == 200, response.text
+                used.append(1)
+            real_batch(*args, **kwargs)
+
+        monkeypatch.setattr(gc_service, "_sweep_batch", batch_after_use)
+        report = collect(server.context)
+        assert used
+        assert report.deleted_blobs == 0, report
+        for blob in late.blobs:
+            assert blob_present(server.store, blob.sha256, blob.size)
+        if use == "claim":  # the claim lets the upload be recorded now and committed
+            response = record(client, bundle_id, 0, RESTORE_ORDER[0], attempt["epoch"], late)
+            assert response.status_code == 200, response.text
+        done = commit(client, bundle_id, attempt["epoch"])
+        assert done.status_code == 200, done.text
 
 
 def test_dry_run_changes_nothing(make_server: MakeServer, backend: str, run_name: str) -> None:
