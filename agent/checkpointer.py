@@ -197,6 +197,7 @@ class Checkpointer:
             else None
         )
         self._attempt: Registration | None = None  # this process's attempt, once registered
+        self._committed: dict[int, Manifest] = {}  # this attempt's bundles, by step
 
     @property
     def counters(self) -> Counters:
@@ -414,13 +415,36 @@ class Checkpointer:
     def _persist_with_control_plane(
         self, states: Mapping[Layer, LayerState], stats: WriteStats, *, step: int
     ) -> Manifest:
-        """Open, upload what the store lacks, record every layer, commit. A commit that finds
-        blobs gone (collected while this save deduplicated against them) uploads them again."""
+        """Persist through the control plane: one bundle per attempt and step."""
         control = self.control
         assert control is not None
         if self._attempt is None:
             self._attempt = self._register(resume=False)
         attempt = self._attempt
+        if step in self._committed:
+            # The catalog holds one bundle per attempt and step; the one already committed
+            # is a valid resume point for this step (the micro-batches since are replayed).
+            log.warning(
+                "run %s: this attempt already committed a bundle at step %d; keeping it",
+                self.config.run,
+                step,
+            )
+            return self._committed[step]
+        self._committed[step] = manifest = self._persist_bundle(
+            control, attempt, states, stats, step
+        )
+        return manifest
+
+    def _persist_bundle(
+        self,
+        control: ControlPlane,
+        attempt: Registration,
+        states: Mapping[Layer, LayerState],
+        stats: WriteStats,
+        step: int,
+    ) -> Manifest:
+        """Open, upload what the store lacks, record every layer, commit. A commit that finds
+        blobs gone (collected while this save deduplicated against them) uploads them again."""
         bundle_id = control.open_bundle(
             self.config.run,
             attempt=attempt,

@@ -85,7 +85,10 @@ def insert_layer(
     if blobs:
         session.execute(
             insert(session, LayerBlob.__table__).values(  # type: ignore[arg-type]
-                [{"layer_id": layer_id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
+                [
+                    {"layer_id": layer_id, "seq": i, "blob_sha256": sha}
+                    for i, sha in enumerate(blobs)
+                ]
             )
         )
     return True

@@ -163,15 +163,12 @@ def _sweep_batch(
         else:
             rows = repository.lock_blobs(session, sizes=sizes, first_seen=first_seen)
             claimed = {sha: row.claimed_at for sha, row in rows.items()}
-        used = repository.live_references(session, shas=list(claimed) or list(sizes))
-        doomed = [
-            sha
-            for sha in sizes
-            if sha not in used
-            and (sha in claimed or report.dry_run)
-            and claimed.get(sha, first_seen[sha]) < now - grace
-        ]
-        report.young_blobs += sum(1 for sha in claimed if sha not in used) - len(doomed)
+        # Rows another transaction holds were skipped: those blobs are in use, not candidates.
+        candidates = list(sizes) if report.dry_run else list(claimed)
+        used = repository.live_references(session, shas=candidates)
+        unused = [sha for sha in candidates if sha not in used]
+        doomed = [sha for sha in unused if claimed.get(sha, first_seen[sha]) < now - grace]
+        report.young_blobs += len(unused) - len(doomed)
         if report.dry_run:
             report.deleted_blobs += len(doomed)
             report.deleted_bytes += sum(sizes[sha] for sha in doomed)

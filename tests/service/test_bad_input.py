@@ -168,6 +168,18 @@ def _blob(w: World, index: int, **changes: Any) -> list[dict[str, Any]]:
     return blobs
 
 
+def _huge_record(w: World) -> dict[str, Any]:
+    """A self-consistent record of a payload larger than any 64-bit size."""
+    huge = 2**63
+    header = w.rec.blobs[0]
+    return {
+        "payload_bytes": header.size + huge,
+        "header_bytes": header.size,
+        "blobs": [header.model_dump(), {"sha256": "c" * 64, "size": huge}],
+        "tensors": {"t": {"dtype": "U8", "shape": [huge], "data_offsets": [0, huge]}},
+    }
+
+
 def _not_found(method: str, path: Callable[[World], str], body: Any, *words: str) -> Case:
     return Case(
         lambda w: (method, path(w), {"json": body(w) if callable(body) else body}), 404, words
@@ -215,6 +227,16 @@ CASES: dict[str, Case] = {
     "heartbeat_step_negative": json_case(
         "POST", lambda w: _attempt(w) + "/heartbeat", lambda w: {"step": -5}, "step"
     ),
+    "heartbeat_step_beyond_int64": json_case(
+        "POST", lambda w: _attempt(w) + "/heartbeat", lambda w: {"step": 2**63}, "step"
+    ),
+    "end_step_beyond_int64": json_case(
+        "POST",
+        lambda w: _attempt(w) + "/end",
+        lambda w: {"reason": "failed", "step": 2**64},
+        "step",
+    ),
+    "payload_beyond_int64": json_case("PUT", _layer, lambda w: w.put_body(_huge_record(w))),
     "end_reason_unknown": json_case(
         "POST", lambda w: _attempt(w) + "/end", lambda w: {"reason": "bored"}, "reason"
     ),
@@ -424,6 +446,11 @@ CASES: dict[str, Case] = {
         lambda w: "/v1/runs/no-such-run/rollback",
         lambda w: {"bundle_id": w.complete["id"]},
         "no-such-run",
+    ),
+    # Ids beyond a 32- or 64-bit integer: still "not found", never a server error.
+    "int32_bundle_get": _not_found("GET", lambda w: f"/v1/bundles/{2**31}", None, str(2**31)),
+    "int32_attempt_end": _not_found(
+        "POST", lambda w: f"/v1/attempts/{2**31}/end", {"reason": "failed"}, str(2**31)
     ),
     # Ids beyond a 64-bit integer: still "not found", never a server error.
     "huge_bundle_get": _not_found("GET", lambda w: f"/v1/bundles/{2**64}", None, str(2**64)),

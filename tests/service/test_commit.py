@@ -361,7 +361,7 @@ def test_blob_shared_by_layers_is_listed_once(server: Server, run_name: str) -> 
         refused = commit(client, bundle_id, epoch)
         assert refused.status_code == 409, refused.text
         shas = [hashlib.sha256(p).hexdigest() for p in pieces]
-        users = [part(0, Layer.DATA), part(0, Layer.RNG)]  # by rank, then layer name
+        users = [part(0, Layer.RNG), part(0, Layer.DATA)]  # rank, then restore order
         expected_blobs = sorted(
             (
                 {

@@ -425,7 +425,9 @@ def test_dry_run_changes_nothing(make_server: MakeServer, backend: str, run_name
         before_status = statuses(client, run_name)
         before_store = store_listing(server.store)
         with server.context.transaction() as session:
-            before_rows = sorted(session.execute(select(Blob.sha256, Blob.claimed_at)).tuples())
+            before_rows = sorted(
+                tuple(r) for r in session.execute(select(Blob.sha256, Blob.claimed_at))
+            )
 
         when = utcnow() + HOUR
         dry = collect(server.context, dry_run=True, now=when)
@@ -443,7 +445,9 @@ def test_dry_run_changes_nothing(make_server: MakeServer, backend: str, run_name
         assert statuses(client, run_name) == before_status
         assert store_listing(server.store) == before_store
         with server.context.transaction() as session:
-            after_rows = sorted(session.execute(select(Blob.sha256, Blob.claimed_at)).tuples())
+            after_rows = sorted(
+                tuple(r) for r in session.execute(select(Blob.sha256, Blob.claimed_at))
+            )
         assert after_rows == before_rows
 
         real = collect(server.context, now=when)
@@ -466,7 +470,8 @@ def test_gc_endpoint_is_admin_only(make_server: MakeServer, backend: str) -> Non
 
 # The acceptance test: saves and collections interleaved.
 
-DURATION = 6.0  # seconds of interleaving per backend
+DURATION = 5.0  # seconds of interleaving per backend, at least
+MAX_DURATION = 20.0  # ... and at most, waiting for enough saves and deletions
 SHARED = [os.urandom(n) for n in (64, 64, 96, 128, 128, 160)]  # payloads bundles reuse
 LIVE = ("pending", "complete")
 
@@ -641,12 +646,22 @@ def test_interleaved_saves_and_gc_never_delete_live_blobs(
     def errors() -> list[str]:
         return [e for s in savers for e in s.errors] + collector.errors
 
+    def enough() -> bool:  # what makes the run worth something (asserted below)
+        return (
+            all(len(s.completed) >= 4 and s.sealed for s in savers)
+            and sum(len(r.deleted_bundles) for r in collector.reports) > 0
+            and sum(r.deleted_blobs for r in collector.reports) > 0
+        )
+
     problems: list[str] = []
     checkpoints = 0
     try:
         with server.client() as client:
-            deadline = time.monotonic() + DURATION
-            while time.monotonic() < deadline and not errors():
+            start = time.monotonic()
+            while not errors():
+                elapsed = time.monotonic() - start
+                if elapsed > MAX_DURATION or (elapsed > DURATION and enough()):
+                    break
                 time.sleep(0.3)
                 for saver in savers:
                     if client.get(f"/v1/runs/{saver.run}").status_code == 200:
@@ -676,6 +691,4 @@ def test_interleaved_saves_and_gc_never_delete_live_blobs(
 
     # The test is only worth something if the collector did delete under the saves.
     assert checkpoints >= 6
-    assert all(len(saver.completed) >= 3 for saver in savers)
-    assert sum(len(r.deleted_bundles) for r in collector.reports) > 0
-    assert sum(r.deleted_blobs for r in collector.reports) > 0
+    assert enough(), [(len(s.completed), len(s.sealed)) for s in savers]

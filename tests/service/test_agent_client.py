@@ -1,0 +1,114 @@
+"""The agent's Checkpointer against a running control plane, in process."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from agent import Checkpointer, FencedError
+from agent.errors import ControlPlaneError
+from agent.storage import DirectoryStore, keys
+from tests.service.conftest import Server
+
+
+def checkpointer(server: Server, run: str, *, store: DirectoryStore | None = None) -> Checkpointer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return Checkpointer(
+        run=run,
+        models=model,
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        store=store or server.store,
+        server=server.url,
+        token=server.admin_token,
+    )
+
+
+def test_a_save_is_committed_through_the_control_plane(server: Server, run_name: str) -> None:
+    ckpt = checkpointer(server, run_name)
+    assert not ckpt.resume().resumed
+    ckpt.counters.step = 3
+    ckpt.save()
+    with server.client() as client:
+        found = client.get(f"/v1/runs/{run_name}/resumable").json()
+    assert found["step"] == 3
+    assert found["manifest"]["catalog"]["epoch"] == 1
+    assert server.store.size(keys.manifest_key(run_name, 3)) is not None
+    ckpt.end("finished", final_save_committed=True)
+    ckpt.close()
+    again = checkpointer(server, run_name)
+    result = again.resume()
+    assert result.step == 3
+    assert again.counters.step == 3
+    again.close()
+
+
+def test_a_second_save_at_the_same_step_keeps_the_first(
+    server: Server, run_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ckpt = checkpointer(server, run_name)
+    ckpt.resume()
+    first = ckpt.save()
+    ckpt.counters.micro_step = 2
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        second = ckpt.save()
+    assert second.bundle == first.bundle
+    assert "already committed a bundle at step 0" in caplog.text
+    ckpt.close()
+
+
+def test_a_fenced_attempt_cannot_save(server: Server, run_name: str) -> None:
+    zombie = checkpointer(server, run_name)
+    zombie.resume()
+    zombie.save()
+    successor = checkpointer(server, run_name)
+    assert successor.resume().step == 0
+    zombie.counters.step = 1
+    with pytest.raises(FencedError, match="fenced"):
+        zombie.save()
+    with server.client() as client:
+        assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 0
+    zombie.close()
+    successor.close()
+
+
+class LosesOneBlob(DirectoryStore):
+    """A store that silently drops the first write of a non-empty blob, as if garbage
+    collection had swept it between the upload and the commit."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.dropped: str | None = None
+
+    def put(self, key: str, pieces: object) -> None:  # type: ignore[override]
+        if self.dropped is None and key.startswith("blobs/"):
+            self.dropped = key
+            return
+        super().put(key, pieces)  # type: ignore[arg-type]
+
+
+def test_a_commit_that_finds_a_blob_gone_uploads_it_again(server: Server, run_name: str) -> None:
+    store = LosesOneBlob(server.store.root)
+    ckpt = checkpointer(server, run_name, store=store)
+    ckpt.resume()
+    ckpt.save()
+    assert store.dropped is not None
+    assert store.size(store.dropped) is not None
+    with server.client() as client:
+        assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 0
+    ckpt.close()
+
+
+def test_a_run_that_has_a_head_refuses_a_save_without_resume(server: Server, run_name: str) -> None:
+    first = checkpointer(server, run_name)
+    first.resume()
+    first.save()
+    fresh = checkpointer(server, run_name)
+    with pytest.raises(ControlPlaneError, match="did not resume from"):
+        fresh.save()
+    first.close()
+    fresh.close()
