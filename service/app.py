@@ -98,7 +98,11 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            413: PayloadTooLargeError.code,
+        }.get(err.status_code, "http_error")
         return JSONResponse(
             {"error": code, "message": str(err.detail)},
             status_code=err.status_code,
@@ -149,7 +153,8 @@ class _BodyLimit:
             message = await receive()
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
-                raise PayloadTooLargeError(self._message())
+                # FastAPI turns any other error while reading a body into a 400.
+                raise StarletteHTTPException(413, detail=self._message())
             return message
 
         await self.app(scope, limited, send)

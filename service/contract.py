@@ -16,6 +16,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_FORMAT = "ckpt.bundle/1"
+MAX_BYTES = 2**62  # sizes and offsets: far beyond any payload, inside a signed 64-bit column
 SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
@@ -41,7 +42,7 @@ class BlobRef(_Frozen):
     """One content-addressed blob: a byte range of a layer's payload."""
 
     sha256: Annotated[str, Field(pattern=SHA256_HEX)]
-    size: Annotated[int, Field(ge=0)]
+    size: Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
 class TensorEntry(_Frozen):
@@ -55,8 +56,8 @@ class TensorEntry(_Frozen):
 class LayerRecord(_Frozen):
     """One (rank, layer) payload: its blobs in order and its tensor index."""
 
-    payload_bytes: Annotated[int, Field(ge=8)]
-    header_bytes: Annotated[int, Field(ge=0)]
+    payload_bytes: Annotated[int, Field(ge=8, le=MAX_BYTES)]
+    header_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)]
     blobs: tuple[BlobRef, ...]
     tensors: dict[str, TensorEntry]
 

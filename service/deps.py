@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, Path, Request
 
 from service.auth.service import Principal, authenticate
 from service.context import Context
+from service.names import MAX_ID, RUN_NAME_PATTERN
 
 
 def get_context(request: Request) -> Context:
@@ -29,3 +30,7 @@ def get_principal(
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+IdPath = Annotated[int, Path(ge=1, le=MAX_ID, description="a catalog id")]
+RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]

@@ -11,3 +11,9 @@ from agent.storage.keys import check_run_name
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 RunName = Annotated[str, Field(max_length=128), AfterValidator(check_run_name)]
+
+# Catalog ids are 32-bit integers; steps and byte counts signed 64-bit.
+MAX_ID = 2**31 - 1
+MAX_STEP = 2**62
+Id = Annotated[int, Field(ge=1, le=MAX_ID)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP)]

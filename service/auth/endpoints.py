@@ -4,7 +4,7 @@ from fastapi import APIRouter
 
 from service.auth import service
 from service.auth.schemas import TokenCreate, TokenCreated, TokenOut
-from service.deps import ContextDep, PrincipalDep
+from service.deps import ContextDep, IdPath, PrincipalDep
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
@@ -25,6 +25,6 @@ def list_tokens(principal: PrincipalDep, context: ContextDep) -> list[TokenOut]:
 
 
 @router.delete("/{token_id}")
-def revoke_token(token_id: int, principal: PrincipalDep, context: ContextDep) -> TokenOut:
+def revoke_token(token_id: IdPath, principal: PrincipalDep, context: ContextDep) -> TokenOut:
     service.require_admin(principal)
     return service.revoke_token(context, token_id=token_id)

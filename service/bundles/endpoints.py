@@ -18,12 +18,10 @@ from service.bundles.schemas import (
     RecordedLayer,
 )
 from service.contract import Layer
-from service.deps import ContextDep, PrincipalDep
-from service.names import RUN_NAME_PATTERN
+from service.deps import ContextDep, IdPath, PrincipalDep, RunPath
 
 router = APIRouter(prefix="/v1", tags=["bundles"])
 
-RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]
 RankPath = Annotated[int, Path(ge=0, le=65535)]
 CONFLICTS: dict[int | str, dict[str, Any]] = {
     409: {"description": "fenced, or the catalog's state forbids it"}
@@ -41,7 +39,7 @@ def open_bundle(
 @router.put("/bundles/{bundle}/layers/{rank}/{layer}", responses=CONFLICTS)
 def record_layer(
     *,
-    bundle: int,
+    bundle: IdPath,
     rank: RankPath,
     layer: Layer,
     put: LayerPut,
@@ -64,20 +62,22 @@ def blobs_missing(query: BlobsQuery, principal: PrincipalDep, context: ContextDe
     "/bundles/{bundle}/commit",
     responses={409: {"model": IncompleteBody, "description": "incomplete, or fenced"}},
 )
-def commit(bundle: int, request: Commit, principal: PrincipalDep, context: ContextDep) -> Committed:
+def commit(
+    bundle: IdPath, request: Commit, principal: PrincipalDep, context: ContextDep
+) -> Committed:
     """Verify every layer and blob, then make the bundle complete and the run's head."""
     return service.commit(context, principal, bundle_id=bundle, request=request)
 
 
 @router.get("/bundles/{bundle}")
-def get_bundle(bundle: int, principal: PrincipalDep, context: ContextDep) -> BundleOut:
+def get_bundle(bundle: IdPath, principal: PrincipalDep, context: ContextDep) -> BundleOut:
     """Manifest, status and per-rank per-layer completeness of a bundle."""
     return service.get_bundle(context, principal, bundle_id=bundle)
 
 
 @router.patch("/bundles/{bundle}")
 def patch_bundle(
-    bundle: int, patch: BundlePatch, principal: PrincipalDep, context: ContextDep
+    bundle: IdPath, patch: BundlePatch, principal: PrincipalDep, context: ContextDep
 ) -> BundleOut:
     """Pin or unpin a bundle: retention never deletes a pinned bundle."""
     return service.patch_bundle(context, principal, bundle_id=bundle, patch=patch)

@@ -7,18 +7,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.completeness import Missing, Part
 from service.contract import BlobRef, LayerRecord, Manifest, Versions
+from service.names import MAX_ID, Id, Step
 
-Epoch = Annotated[int, Field(ge=1)]
+Epoch = Annotated[int, Field(ge=1, le=MAX_ID)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "30" is not a step and true is not a world size
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class BundleOpen(_Request):
-    attempt_id: int
+    attempt_id: Id
     epoch: Epoch
-    step: Annotated[int, Field(ge=0, le=2**62)]
+    step: Step
     world_size: Annotated[int, Field(ge=1, le=65536)]
     versions: Versions
 

@@ -2,10 +2,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 
-from service.deps import ContextDep, PrincipalDep
-from service.names import RUN_NAME_PATTERN
+from service.deps import ContextDep, IdPath, PrincipalDep, RunPath
 from service.runs import service
 from service.runs.schemas import (
     AttemptCreate,
@@ -24,8 +23,6 @@ from service.runs.schemas import (
 )
 
 router = APIRouter(prefix="/v1", tags=["runs"])
-
-RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]
 
 
 @router.post("/runs", status_code=201)
@@ -73,7 +70,7 @@ def register_attempt(
 
 @router.post("/attempts/{attempt}/heartbeat")
 def heartbeat(
-    attempt: int, beat: Heartbeat, principal: PrincipalDep, context: ContextDep
+    attempt: IdPath, beat: Heartbeat, principal: PrincipalDep, context: ContextDep
 ) -> AttemptOut:
     """Report that the attempt is alive (and its step); 409 once it is fenced."""
     return service.heartbeat(context, principal, attempt_id=attempt, beat=beat)
@@ -81,7 +78,7 @@ def heartbeat(
 
 @router.post("/attempts/{attempt}/end")
 def end_attempt(
-    attempt: int, end: AttemptEnd, principal: PrincipalDep, context: ContextDep
+    attempt: IdPath, end: AttemptEnd, principal: PrincipalDep, context: ContextDep
 ) -> AttemptOut:
     """Record how the attempt ended: finished, preempted or failed."""
     return service.end_attempt(context, principal, attempt_id=attempt, end=end)

@@ -7,14 +7,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.contract import Manifest
 from service.models import EndReason
-from service.names import RunName
+from service.names import Id, RunName, Step
 
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 Hostname = Annotated[str, Field(min_length=1, max_length=253)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: "30" is not a step and true is not a world size
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class RunCreate(_Request):
@@ -74,13 +75,13 @@ class AttemptRegistered(BaseModel):
 
 
 class Heartbeat(_Request):
-    step: Annotated[int, Field(ge=0)] | None = None
+    step: Step | None = None
 
 
 class AttemptEnd(_Request):
     reason: EndReason
     final_save_committed: bool = False
-    step: Annotated[int, Field(ge=0)] | None = None
+    step: Step | None = None
 
 
 class AttemptOut(BaseModel):
@@ -100,7 +101,7 @@ class AttemptOut(BaseModel):
 
 
 class RollbackRequest(_Request):
-    bundle_id: int
+    bundle_id: Id
 
 
 class RollbackOut(BaseModel):

@@ -86,7 +86,9 @@ class _Uvicorn(uvicorn.Server):
 
 def serve(app: Any) -> tuple[str, Callable[[], None]]:
     """Serve ``app`` on a free loopback port in a thread; returns (url, stop)."""
-    sock = socket.socket()
+    # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so; without it
+    # every response waits ~40 ms for a delayed ACK (Nagle).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = _Uvicorn(uvicorn.Config(app, log_level="warning", lifespan="on"))
