@@ -132,7 +132,11 @@ def _count_requests(app: FastAPI, context: Context) -> None:
 
 
 class _BodyLimit:
-    """413 for a body over the limit, whether it declares its length or streams chunks."""
+    """413 for a body over the limit, whether it declares its length or streams chunks.
+
+    The body is read (FastAPI reads it whole anyway) before the app sees the request, so a
+    refusal happens before anything runs.
+    """
 
     def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
         self.app = app
@@ -146,26 +150,42 @@ class _BodyLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                # FastAPI turns any other error while reading a body into a 400.
-                raise StarletteHTTPException(413, detail=self._message())
-            return message
-
-        await self.app(scope, limited, send)
-
-    def _message(self) -> str:
-        return f"the request body exceeds {self.max_bytes} bytes (CKPT_MAX_BODY_BYTES)"
+            if message["type"] != "http.request":  # the client went away
+                await self.app(scope, _replay([], message, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, None, receive), send)
 
     async def _refuse(self, send: Send) -> None:
-        body = PayloadTooLargeError(self._message()).body()
-        await JSONResponse(body, status_code=413)({"type": "http"}, _no_receive, send)
+        body = PayloadTooLargeError(
+            f"the request body exceeds {self.max_bytes} bytes (CKPT_MAX_BODY_BYTES)"
+        ).body()
+        await JSONResponse(body, status_code=413)({"type": "http"}, _disconnected, send)
 
 
-async def _no_receive() -> Message:
+def _replay(chunks: list[bytes], last: Message | None, original: Receive) -> Receive:
+    """A receive that hands the app the buffered body, then waits on the original."""
+    messages: list[Message] = (
+        [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        if last is None
+        else [last]
+    )
+
+    async def receive() -> Message:
+        return messages.pop(0) if messages else await original()
+
+    return receive
+
+
+async def _disconnected() -> Message:
     return {"type": "http.disconnect"}

@@ -15,5 +15,6 @@ RunName = Annotated[str, Field(max_length=128), AfterValidator(check_run_name)]
 # Catalog ids are 32-bit integers; steps and byte counts signed 64-bit.
 MAX_ID = 2**31 - 1
 MAX_STEP = 2**62
-Id = Annotated[int, Field(ge=1, le=MAX_ID)]
-Step = Annotated[int, Field(ge=0, le=MAX_STEP)]
+# strict: "30" is not a step, nor true a world size
+Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
+Step = Annotated[int, Field(ge=0, le=MAX_STEP, strict=True)]

@@ -9,19 +9,18 @@ from service.completeness import Missing, Part
 from service.contract import BlobRef, LayerRecord, Manifest, Versions
 from service.names import MAX_ID, Id, Step
 
-Epoch = Annotated[int, Field(ge=1, le=MAX_ID)]
+Epoch = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
 
 
 class _Request(BaseModel):
-    # strict: "30" is not a step and true is not a world size
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class BundleOpen(_Request):
     attempt_id: Id
     epoch: Epoch
     step: Step
-    world_size: Annotated[int, Field(ge=1, le=65536)]
+    world_size: Annotated[int, Field(ge=1, le=65536, strict=True)]
     versions: Versions
 
 

@@ -14,8 +14,7 @@ Hostname = Annotated[str, Field(min_length=1, max_length=253)]
 
 
 class _Request(BaseModel):
-    # strict: "30" is not a step and true is not a world size
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid")
 
 
 class RunCreate(_Request):

@@ -180,6 +180,15 @@ def _huge_record(w: World) -> dict[str, Any]:
     }
 
 
+def _out_of_range(method: str, path: Callable[[World], str], body: Any, field: str) -> Case:
+    """An id no catalog row can have (below 1, beyond 32 bits): 422 naming the field."""
+    return Case(
+        lambda w: (method, path(w), {"json": body(w) if callable(body) else body}),
+        422,
+        (field, "Input should be"),
+    )
+
+
 def _not_found(method: str, path: Callable[[World], str], body: Any, *words: str) -> Case:
     return Case(
         lambda w: (method, path(w), {"json": body(w) if callable(body) else body}), 404, words
@@ -415,7 +424,7 @@ CASES: dict[str, Case] = {
     "no_bundle_patch": _not_found(
         "PATCH", lambda w: f"/v1/bundles/{MISSING_ID}", {"pinned": True}, str(MISSING_ID)
     ),
-    "no_bundle_negative": _not_found("GET", lambda w: "/v1/bundles/-3", None, "-3"),
+    "no_bundle_negative": _out_of_range("GET", lambda w: "/v1/bundles/-3", None, "path.bundle"),
     "no_bundle_rollback": _not_found(
         "POST", lambda w: f"/v1/runs/{w.run}/rollback", {"bundle_id": MISSING_ID}, str(MISSING_ID)
     ),
@@ -447,24 +456,23 @@ CASES: dict[str, Case] = {
         lambda w: {"bundle_id": w.complete["id"]},
         "no-such-run",
     ),
-    # Ids beyond a 32- or 64-bit integer: still "not found", never a server error.
-    "int32_bundle_get": _not_found("GET", lambda w: f"/v1/bundles/{2**31}", None, str(2**31)),
-    "int32_attempt_end": _not_found(
-        "POST", lambda w: f"/v1/attempts/{2**31}/end", {"reason": "failed"}, str(2**31)
+    # Ids beyond a 32- or 64-bit integer: a 422 naming the field, never a server error.
+    "int32_bundle_get": _out_of_range("GET", lambda w: f"/v1/bundles/{2**31}", None, "path.bundle"),
+    "int32_attempt_end": _out_of_range(
+        "POST", lambda w: f"/v1/attempts/{2**31}/end", {"reason": "failed"}, "path.attempt"
     ),
-    # Ids beyond a 64-bit integer: still "not found", never a server error.
-    "huge_bundle_get": _not_found("GET", lambda w: f"/v1/bundles/{2**64}", None, str(2**64)),
-    "huge_bundle_commit": _not_found(
-        "POST", lambda w: f"/v1/bundles/{2**63}/commit", lambda w: {"epoch": w.epoch}, str(2**63)
+    "huge_bundle_get": _out_of_range("GET", lambda w: f"/v1/bundles/{2**64}", None, "path.bundle"),
+    "huge_bundle_commit": _out_of_range(
+        "POST", lambda w: f"/v1/bundles/{2**63}/commit", lambda w: {"epoch": w.epoch}, "path.bundle"
     ),
-    "huge_attempt_heartbeat": _not_found(
-        "POST", lambda w: f"/v1/attempts/{2**64}/heartbeat", {}, str(2**64)
+    "huge_attempt_heartbeat": _out_of_range(
+        "POST", lambda w: f"/v1/attempts/{2**64}/heartbeat", {}, "path.attempt"
     ),
-    "huge_attempt_open": _not_found(
-        "POST", _bundles, lambda w: w.open_body(attempt_id=2**64), str(2**64)
+    "huge_attempt_open": _out_of_range(
+        "POST", _bundles, lambda w: w.open_body(attempt_id=2**64), "body.attempt_id"
     ),
-    "huge_bundle_rollback": _not_found(
-        "POST", lambda w: f"/v1/runs/{w.run}/rollback", {"bundle_id": 2**64}, str(2**64)
+    "huge_bundle_rollback": _out_of_range(
+        "POST", lambda w: f"/v1/runs/{w.run}/rollback", {"bundle_id": 2**64}, "body.bundle_id"
     ),
 }
 

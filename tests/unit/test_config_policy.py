@@ -133,11 +133,17 @@ def test_environment_values_are_validated_too() -> None:
         ({}, {"CKPT_SERVER": "http://localhost:8000"}),
     ],
 )
-def test_a_control_plane_is_refused_as_store_only(
+def test_a_control_plane_url_is_taken_from_keyword_or_environment(
     overrides: dict[str, Any], env: dict[str, str]
 ) -> None:
-    with pytest.raises(ValueError, match="store-only"):
-        Config.resolve({"run": "r", **overrides}, env=env)
+    config = Config.resolve({"run": "r", **overrides}, env=env)
+    assert config.server == overrides.get("server", env.get("CKPT_SERVER"))
+
+
+@pytest.mark.parametrize("url", ["ftp://ckpt.example", "ckpt.example:8470", "/a/path"])
+def test_a_control_plane_url_must_be_http(url: str) -> None:
+    with pytest.raises(ValueError, match=r"server must be an http\(s\) URL"):
+        Config.resolve({"run": "r", "server": url}, env={})
 
 
 def at(step: int, micro_step: int = 0) -> Position:
