@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -84,11 +85,11 @@ class LosesOneBlob(DirectoryStore):
         super().__init__(root)
         self.dropped: str | None = None
 
-    def put(self, key: str, pieces: object) -> None:  # type: ignore[override]
+    def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         if self.dropped is None and key.startswith("blobs/"):
             self.dropped = key
             return
-        super().put(key, pieces)  # type: ignore[arg-type]
+        super().put(key, pieces)
 
 
 def test_a_commit_that_finds_a_blob_gone_uploads_it_again(server: Server, run_name: str) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import delete
+from sqlalchemy import delete, update
 
 from service.models import Attempt as AttemptRow
 from service.models import Blob, Bundle, Layer, LayerBlob, Rollback, Run, Token
@@ -148,8 +148,8 @@ def _wipe_catalog(server: Server) -> None:
         session.execute(delete(Rollback))
         for table in (LayerBlob, Layer, Blob, Token):
             session.execute(delete(table))
-        session.execute(Run.__table__.update().values(head_bundle_id=None))
-        session.execute(AttemptRow.__table__.update().values(resumed_from_id=None))
+        session.execute(update(Run).values(head_bundle_id=None))
+        session.execute(update(AttemptRow).values(resumed_from_id=None))
         session.execute(delete(Bundle))
         session.execute(delete(AttemptRow))
         session.execute(delete(Run))
