@@ -1,0 +1,114 @@
+"""Latency of the control plane's hot paths, against a real ``ckpt server`` process.
+
+    .venv/bin/python bench/control_plane.py [--bundles 200] [--repeat 200] [--postgres URL]
+
+A run gets ``--bundles`` complete bundles (6 small layers each; several attempts and a
+rollback so the lineage has branches). Then each call is timed ``--repeat`` times over one
+keep-alive connection and printed as p50 / p99 next to ``GET /healthz`` on the same server
+(the HTTP floor, measured in the same run) and as a ratio to it:
+
+- ``GET /v1/runs/{run}/resumable``: the latest resumable bundle with its manifest
+- ``POST /v1/runs/{run}/attempts``: register an attempt + the resume decision
+- one whole save of one rank: open + 6 x record + commit (blob verification included)
+
+SQLite (the embedded default) always; PostgreSQL with ``--postgres`` (a server URL such as
+``postgresql://postgres@127.0.0.1:5432/postgres``: a database is created and dropped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent.storage import DirectoryStore
+from tests.server_process import ckpt_server
+from tests.service.helpers import register, save
+
+
+def timed(action: Callable[[], object], repeat: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - started)
+    samples.sort()
+    return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+
+
+def populate(client: httpx.Client, store: DirectoryStore, run: str, bundles: int) -> None:
+    attempt = register(client, run)
+    for step in range(1, bundles + 1):
+        if step % 50 == 0:
+            attempt = register(client, run)  # a preemption
+        save(client, store, run, attempt, step=step)
+    head = client.get(f"/v1/runs/{run}/resumable").json()
+    client.post(f"/v1/runs/{run}/rollback", json={"bundle_id": head["bundle_id"] - 10})
+
+
+def measure(label: str, root: Path, database_url: str | None, args: argparse.Namespace) -> None:
+    root.mkdir(parents=True)
+    with ckpt_server(root, database_url=database_url) as server, server.client() as client:
+        run = "bench"
+        store = DirectoryStore(server.store)
+        started = time.perf_counter()
+        populate(client, store, run, args.bundles)
+        fill = time.perf_counter() - started
+        floor = timed(lambda: client.get("/healthz"), args.repeat)
+        rows = {
+            "GET /resumable": timed(
+                lambda: client.get(f"/v1/runs/{run}/resumable").raise_for_status(), args.repeat
+            ),
+            "POST /attempts": timed(
+                lambda: client.post(f"/v1/runs/{run}/attempts", json={}).raise_for_status(),
+                args.repeat,
+            ),
+        }
+        steps = iter(range(args.bundles + 1, 10**9))
+        attempt = register(client, run)
+        rows["save: open+6 record+commit"] = timed(
+            lambda: save(client, store, run, attempt, step=next(steps)),
+            max(20, args.repeat // 10),
+        )
+    print(f"\n{label}: {args.bundles} bundles written in {fill:.1f} s")
+    print(f"  {'call':<28} {'p50 ms':>8} {'p99 ms':>8} {'p50 / healthz':>14}")
+    print(f"  {'GET /healthz (floor)':<28} {floor[0] * 1e3:8.2f} {floor[1] * 1e3:8.2f} {1.0:14.1f}")
+    for name, (p50, p99) in rows.items():
+        print(f"  {name:<28} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / floor[0]:14.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--bundles", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--postgres", help="a PostgreSQL server URL to benchmark too")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        measure("SQLite (embedded)", Path(tmp) / "sqlite", None, args)
+    if args.postgres:
+        name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(args.postgres, autocommit=True) as connection:
+            connection.execute(f'CREATE DATABASE "{name}"')
+        url = args.postgres.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                measure("PostgreSQL", Path(tmp) / "pg", f"{url}/{name}", args)
+        finally:
+            with psycopg.connect(args.postgres, autocommit=True) as connection:
+                connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()
