@@ -9,7 +9,7 @@ bundles grow a second child under it: a fork. The live branch is the head and it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from service.models import BundleStatus
@@ -24,33 +24,48 @@ class Node:
     attempt_id: int | None
 
 
-def ancestry(head_id: int | None, nodes: Mapping[int, Node]) -> list[int]:
-    """The head, its parent, its parent's parent... (the live branch, newest first)."""
-    chain: list[int] = []
+# A snapshot of the run's bundles, or a function that looks one up (the catalog does, so
+# that walking from the head reads only the few bundles it passes).
+Nodes = Mapping[int, Node] | Callable[[int], Node | None]
+
+
+def _walk(head_id: int | None, nodes: Nodes) -> Iterable[Node]:
+    """The head, its parent, its parent's parent... (stops at a cycle or a missing parent)."""
+    lookup = nodes.get if isinstance(nodes, Mapping) else nodes
+    seen: set[int] = set()
     current = head_id
-    while current is not None and current in nodes and current not in chain:
-        chain.append(current)
-        current = nodes[current].parent_id
-    return chain
+    while current is not None and current not in seen:
+        found = lookup(current)
+        if found is None:
+            return
+        seen.add(current)
+        yield found
+        current = found.parent_id
 
 
-def resumable(head_id: int | None, nodes: Mapping[int, Node]) -> Node | None:
+def ancestry(head_id: int | None, nodes: Nodes) -> list[int]:
+    """The head, its parent, its parent's parent... (the live branch, newest first)."""
+    return [node.id for node in _walk(head_id, nodes)]
+
+
+def resumable(head_id: int | None, nodes: Nodes) -> Node | None:
     """The newest complete bundle on the live branch: what the next attempt resumes from."""
-    for bundle_id in ancestry(head_id, nodes):
-        if nodes[bundle_id].status == BundleStatus.COMPLETE:
-            return nodes[bundle_id]
-    return None
+    return next((n for n in _walk(head_id, nodes) if n.status == BundleStatus.COMPLETE), None)
 
 
-def head_after_commit(head_id: int | None, committed: Node, nodes: Mapping[int, Node]) -> int:
+def head_after_commit(head_id: int | None, committed: Node, nodes: Nodes) -> int:
     """Where the head goes when ``committed`` completes (its attempt is the live one).
 
     It moves to the committed bundle, unless the head already descends from it (a later
-    save of the same attempt committed first).
+    save of the same attempt committed first). Steps never grow towards the root, so the
+    walk stops below the committed bundle's step.
     """
-    if committed.id in ancestry(head_id, nodes):
-        assert head_id is not None
-        return head_id
+    for node in _walk(head_id, nodes):
+        if node.id == committed.id:
+            assert head_id is not None
+            return head_id
+        if node.step < committed.step:
+            break
     return committed.id
 
 

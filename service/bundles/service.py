@@ -48,7 +48,7 @@ from service.errors import (
 )
 from service.models import Attempt, Bundle, BundleStatus, Run, utcnow
 from service.runs import repository as runs_repository
-from service.runs.service import node
+from service.runs.service import catalog_nodes, node
 from service.sql import Lock
 
 log = logging.getLogger("ckpt.service")
@@ -317,8 +317,9 @@ def _finish_commit(
         bundle.status = BundleStatus.COMPLETE
         bundle.committed_at = now
         bundle.manifest = manifest.model_dump(mode="json")
-        nodes = {b.id: node(b) for b in runs_repository.run_bundles(session, run_id=run.id)}
-        run.head_bundle_id = lineage.head_after_commit(run.head_bundle_id, node(bundle), nodes)
+        run.head_bundle_id = lineage.head_after_commit(
+            run.head_bundle_id, node(bundle), catalog_nodes(session)
+        )
         context.metrics.committed.inc()
         context.metrics.committed_bytes.inc(sum(r.payload_bytes for r in plan.records.values()))
         log.info("run %s: bundle %d (step %d) complete", run.name, bundle.id, bundle.step)

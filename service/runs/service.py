@@ -3,6 +3,8 @@ rollback, lineage and the latest-resumable query."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from sqlalchemy.orm import Session
 
 from service import lineage
@@ -227,12 +229,20 @@ def node(bundle: Bundle) -> Node:
     )
 
 
+def catalog_nodes(session: Session) -> Callable[[int], Node | None]:
+    """Look bundles up one by one (the session caches them): walks from the head read only
+    the bundles they pass, not the whole run."""
+
+    def lookup(bundle_id: int) -> Node | None:
+        bundle = session.get(Bundle, bundle_id)
+        return node(bundle) if bundle else None
+
+    return lookup
+
+
 def resumable_bundle(session: Session, run: Run) -> Bundle | None:
     """The newest complete bundle of the run's live branch."""
-    if run.head_bundle_id is None:
-        return None
-    nodes = {b.id: node(b) for b in repository.run_bundles(session, run_id=run.id)}
-    found = lineage.resumable(run.head_bundle_id, nodes)
+    found = lineage.resumable(run.head_bundle_id, catalog_nodes(session))
     return session.get(Bundle, found.id) if found else None
 
 
