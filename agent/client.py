@@ -63,7 +63,7 @@ class ControlPlane:
         *,
         token: str | None,
         timeout: float = 60.0,
-        retry_seconds: float = 30.0,
+        retry_seconds: float = 120.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}

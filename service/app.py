@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -22,7 +23,7 @@ from service.auth.endpoints import router as tokens_router
 from service.bundles.endpoints import router as bundles_router
 from service.context import Context
 from service.db import upgrade
-from service.errors import PayloadTooLargeError, ServiceError
+from service.errors import InvalidRequestError, PayloadTooLargeError, ServiceError
 from service.gc import service as gc
 from service.gc.endpoints import router as gc_router
 from service.health import router as health_router
@@ -96,6 +97,21 @@ def _handle_errors(app: FastAPI) -> None:
             status_code=422,
         )
 
+    @app.exception_handler(DBAPIError)
+    async def database_error(_: Request, err: DBAPIError) -> JSONResponse:
+        if isinstance(err, DataError):  # a value the database cannot store
+            body = InvalidRequestError(f"the database refused a value: {err.orig}").body()
+            return JSONResponse(body, status_code=422)
+        if _retryable(err):
+            log.warning("database conflict, the client will retry: %s", err.orig)
+            body = ServiceError(
+                "the database aborted this request to resolve a conflict; retry it"
+            ).body() | {"error": "retry"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        log.error("database error", exc_info=err)
+        body = ServiceError("the catalog database failed; see the server log").body()
+        return JSONResponse(body, status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         code = {
@@ -108,6 +124,12 @@ def _handle_errors(app: FastAPI) -> None:
             status_code=err.status_code,
             headers=getattr(err, "headers", None),
         )
+
+
+def _retryable(err: DBAPIError) -> bool:
+    """A deadlock or serialization failure (Postgres), or a busy database (SQLite)."""
+    code = getattr(err.orig, "sqlstate", None)
+    return code in ("40P01", "40001") or "database is locked" in str(err.orig)
 
 
 def _describe(problem: Any) -> str:

@@ -63,6 +63,13 @@ class LayerRecord(_Frozen):
 
     @model_validator(mode="after")
     def _blobs_cover_payload(self) -> LayerRecord:
+        sizes: dict[str, int] = {}
+        for blob in self.blobs:
+            if sizes.setdefault(blob.sha256, blob.size) != blob.size:
+                raise ValueError(
+                    f"blob {blob.sha256} is listed with sizes {sizes[blob.sha256]} and "
+                    f"{blob.size}: one SHA-256, one content, one size"
+                )
         total = sum(blob.size for blob in self.blobs)
         if total != self.payload_bytes:
             raise ValueError(f"blobs hold {total} bytes but the payload has {self.payload_bytes}")

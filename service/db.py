@@ -19,7 +19,8 @@ def make_engine(url: str) -> Engine:
     if parsed.get_backend_name() != "sqlite":
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
-        return create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        # More connections than FastAPI's 40 worker threads: a request never waits on the pool.
+        return create_engine(parsed, pool_pre_ping=True, pool_size=20, max_overflow=30)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60})

@@ -8,6 +8,8 @@ from pydantic import AfterValidator, Field
 
 from agent.storage.keys import check_run_name
 
+# No control characters (Postgres text cannot hold NUL; logs should not hold the others).
+PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 RunName = Annotated[str, Field(max_length=128), AfterValidator(check_run_name)]

@@ -1,10 +1,11 @@
 """``ckpt catalog rebuild``: recreate the catalog from the manifests in the store.
 
 A manifest is a bundle's commit record, so the store alone says which bundles exist. For
-each manifest whose run has no complete bundle at that step, a bundle is added: complete if
+each manifest whose run has no bundle at that step, a bundle is added: complete if
 the store holds every blob it lists with the right size (hashes are checked on restore),
 failed otherwise. Parent edges come from the manifest's catalog reference when it has one,
-else from the previous step; the head moves to the newest complete bundle. Attempts are not
+else from the previous step; the head moves to the newest complete bundle. Each rebuilt manifest is rewritten with its
+new catalog id. Attempts are not
 in the store and are not recreated. Running it twice adds nothing the second time.
 """
 
@@ -20,9 +21,9 @@ from agent.errors import StoreError
 from agent.storage import keys
 from service.bundles import repository
 from service.context import Context
-from service.contract import Manifest
+from service.contract import CatalogRef, Manifest
 from service.errors import StoreUnavailableError
-from service.models import BundleStatus, utcnow
+from service.models import Bundle, BundleStatus, utcnow
 from service.runs import repository as runs_repository
 
 log = logging.getLogger("ckpt.rebuild")
@@ -66,9 +67,7 @@ def _rebuild_run(
 ) -> None:
     with context.transaction() as session:
         run, _ = runs_repository.ensure_run(session, name=name)
-        present = repository.run_steps(
-            session, run_id=run.id, statuses=(BundleStatus.COMPLETE, BundleStatus.PENDING)
-        )
+        present = repository.run_steps(session, run_id=run.id, statuses=list(BundleStatus))
         new_ids: dict[int, int] = {}  # the manifest's catalog id -> the rebuilt bundle's id
         previous: int | None = None
         newest = None
@@ -109,6 +108,7 @@ def _rebuild_run(
                     )
             if ref:
                 new_ids[ref.bundle_id] = bundle.id
+            _renumber(context, session_bundle=bundle, manifest=manifest, parent=parent)
             label = f"{name}@{manifest.step}"
             (report.added if complete else report.failed).append(label)
             previous = bundle.id
@@ -118,6 +118,22 @@ def _rebuild_run(
             head = session.get(type(newest), run.head_bundle_id) if run.head_bundle_id else None
             if head is None or head.step < newest.step:
                 run.head_bundle_id = newest.id
+
+
+def _renumber(
+    context: Context, *, session_bundle: Bundle, manifest: Manifest, parent: int | None
+) -> None:
+    """Point the manifest (in the catalog and the store) at its new catalog id, so that
+    retention later recognizes the store's manifest as this bundle's."""
+    epoch = manifest.catalog.epoch if manifest.catalog else 0
+    renumbered = manifest.model_copy(
+        update={"catalog": CatalogRef(bundle_id=session_bundle.id, parent_id=parent, epoch=epoch)}
+    )
+    session_bundle.manifest = renumbered.model_dump(mode="json")
+    context.store.put(
+        keys.manifest_key(manifest.run, manifest.step),
+        [renumbered.model_dump_json(indent=1).encode()],
+    )
 
 
 def _blobs_present(context: Context, manifest: Manifest) -> bool:

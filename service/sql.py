@@ -5,15 +5,18 @@ from __future__ import annotations
 import enum
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, Table
+from sqlalchemy import Select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Session
 
 
 class Lock(enum.Enum):
     NONE = "none"
     SHARE = "share"  # others may read and share-lock, not change
     UPDATE = "update"  # exclusive until the transaction ends
+    # Exclusive too, but lets others insert rows that reference this one (Postgres's FOR NO
+    # KEY UPDATE): what changing a row's non-key columns needs.
+    NO_KEY_UPDATE = "no_key_update"
 
 
 S = TypeVar("S", bound=Select[Any])
@@ -23,10 +26,10 @@ def locked(statement: S, lock: Lock) -> S:
     """``statement`` with a row lock (SQLite ignores it: its transactions lock the file)."""
     if lock is Lock.NONE:
         return statement
-    return statement.with_for_update(read=lock is Lock.SHARE)
+    return statement.with_for_update(read=lock is Lock.SHARE, key_share=lock is Lock.NO_KEY_UPDATE)
 
 
-def insert(session: Session, table: Table) -> Any:
+def insert(session: Session, table: type[DeclarativeBase]) -> Any:
     """An INSERT that knows ``on_conflict_do_nothing`` / ``_do_update`` on this database."""
     if session.get_bind().dialect.name == "postgresql":
         return postgresql.insert(table)

@@ -6,7 +6,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.models import Role
-from service.names import RunName
+from service.names import PRINTABLE, RunName
 
 
 class TokenCreate(BaseModel):
@@ -14,7 +14,7 @@ class TokenCreate(BaseModel):
 
     role: Role
     run: RunName | None = None
-    name: Annotated[str, Field(min_length=1, max_length=128)] = "token"
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE)] = "token"
 
     @model_validator(mode="after")
     def _run_matches_role(self) -> TokenCreate:

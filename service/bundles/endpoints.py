@@ -22,7 +22,7 @@ from service.deps import ContextDep, IdPath, PrincipalDep, RunPath
 
 router = APIRouter(prefix="/v1", tags=["bundles"])
 
-RankPath = Annotated[int, Path(ge=0, le=65535)]
+RankPath = Annotated[int, Path(ge=0, le=16383)]
 CONFLICTS: dict[int | str, dict[str, Any]] = {
     409: {"description": "fenced, or the catalog's state forbids it"}
 }

@@ -9,6 +9,9 @@ from sqlalchemy.orm import Session
 from service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, utcnow
 from service.sql import Lock, insert, locked
 
+# Rows per statement: Postgres takes at most 65535 bind parameters per query.
+_BATCH = 1000
+
 
 def get_bundle(session: Session, *, bundle_id: int, lock: Lock = Lock.NONE) -> Bundle | None:
     return session.scalar(locked(select(Bundle).where(Bundle.id == bundle_id), lock))
@@ -32,7 +35,7 @@ def latest_of_attempt(
 def insert_bundle(session: Session, **values: object) -> bool:
     """Insert a pending bundle unless its (attempt, step) exists; whether it was inserted."""
     result = session.execute(
-        insert(session, Bundle.__table__)  # type: ignore[arg-type]
+        insert(session, Bundle)
         .values(status=BundleStatus.PENDING, pinned=False, created_at=utcnow(), **values)
         .on_conflict_do_nothing(index_elements=["attempt_id", "step"])
         .returning(Bundle.id)
@@ -67,7 +70,7 @@ def insert_layer(
 ) -> bool:
     """Insert a layer and its blob references unless it exists; whether it was inserted."""
     result = session.execute(
-        insert(session, Layer.__table__)  # type: ignore[arg-type]
+        insert(session, Layer)
         .values(
             bundle_id=bundle_id,
             rank=rank,
@@ -82,15 +85,10 @@ def insert_layer(
     layer_id = result.scalar()
     if layer_id is None:
         return False
-    if blobs:
-        session.execute(
-            insert(session, LayerBlob.__table__).values(  # type: ignore[arg-type]
-                [
-                    {"layer_id": layer_id, "seq": i, "blob_sha256": sha}
-                    for i, sha in enumerate(blobs)
-                ]
-            )
-        )
+    rows = [{"layer_id": layer_id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
+    for start in range(0, len(rows), _BATCH):
+        statement = insert(session, LayerBlob)
+        session.execute(statement.values(rows[start : start + _BATCH]))
     return True
 
 
@@ -102,34 +100,37 @@ def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:
     if not sizes:
         return
     now = utcnow()
-    statement = insert(session, Blob.__table__).values(  # type: ignore[arg-type]
-        [
-            {"sha256": sha, "size": sizes[sha], "created_at": now, "claimed_at": now}
-            for sha in sorted(sizes)
-        ]
-    )
-    session.execute(
-        statement.on_conflict_do_update(
-            index_elements=["sha256"], set_={"claimed_at": statement.excluded.claimed_at}
+    ordered = sorted(sizes)
+    for start in range(0, len(ordered), _BATCH):
+        statement = insert(session, Blob).values(
+            [
+                {"sha256": sha, "size": sizes[sha], "created_at": now, "claimed_at": now}
+                for sha in ordered[start : start + _BATCH]
+            ]
         )
-    )
+        session.execute(
+            statement.on_conflict_do_update(
+                index_elements=["sha256"], set_={"claimed_at": statement.excluded.claimed_at}
+            )
+        )
 
 
 def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
     found: dict[str, Blob] = {}
     ordered = sorted(shas)
-    for start in range(0, len(ordered), 1000):
-        chunk = ordered[start : start + 1000]
+    for start in range(0, len(ordered), _BATCH):
+        chunk = ordered[start : start + _BATCH]
         found.update(
             (b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk)))
         )
     return found
 
 
-def mark_verified(session: Session, *, shas: Collection[str], at: datetime) -> None:
-    ordered = sorted(shas)
-    for start in range(0, len(ordered), 1000):
-        chunk = ordered[start : start + 1000]
+def mark_verified(session: Session, *, sizes: Mapping[str, int], at: datetime) -> None:
+    """Record that these blobs were read back with these sizes and matching SHA-256s."""
+    ordered = sorted(sizes)
+    for start in range(0, len(ordered), _BATCH):
+        chunk = ordered[start : start + _BATCH]
         # Lock in hash order first, as claim_blobs does: an UPDATE locks in scan order.
         session.execute(
             select(Blob.sha256)
@@ -137,7 +138,10 @@ def mark_verified(session: Session, *, shas: Collection[str], at: datetime) -> N
             .order_by(Blob.sha256)
             .with_for_update()
         )
-        session.execute(update(Blob).where(Blob.sha256.in_(chunk)).values(verified_at=at))
+        session.execute(
+            update(Blob),
+            [{"sha256": sha, "size": sizes[sha], "verified_at": at} for sha in chunk],
+        )
 
 
 def referenced_blobs(session: Session, *, bundle_id: int) -> dict[str, int]:

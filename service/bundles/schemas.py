@@ -20,7 +20,8 @@ class BundleOpen(_Request):
     attempt_id: Id
     epoch: Epoch
     step: Step
-    world_size: Annotated[int, Field(ge=1, le=65536, strict=True)]
+    # 16384 ranks: the largest jobs of today; a 409 then lists up to 98304 missing parts.
+    world_size: Annotated[int, Field(ge=1, le=16384, strict=True)]
     versions: Versions
 
 

@@ -313,7 +313,11 @@ def _finish_commit(
         except StoreError as err:
             raise StoreUnavailableError(f"cannot write the manifest: {err}") from err
         now = utcnow()
-        repository.mark_verified(session, shas=set(plan.sizes) - plan.verified, at=now)
+        repository.mark_verified(
+            session,
+            sizes={sha: size for sha, size in plan.sizes.items() if sha not in plan.verified},
+            at=now,
+        )
         bundle.status = BundleStatus.COMPLETE
         bundle.committed_at = now
         bundle.manifest = manifest.model_dump(mode="json")
@@ -396,10 +400,9 @@ def _check_epoch(context: Context, run: Run, *, attempt: Attempt | None, claimed
 
 
 def _check_extends_head(session: Session, run: Run, attempt: Attempt, *, step: int) -> None:
-    """A new bundle must continue the live branch: from what the attempt resumed or saved."""
-    base = repository.latest_of_attempt(
-        session, attempt_id=attempt.id, statuses=(BundleStatus.COMPLETE,)
-    )
+    """A new bundle must continue the live branch: after what the attempt resumed from or
+    already opened (a lower step would move the head backwards)."""
+    base = repository.latest_of_attempt(session, attempt_id=attempt.id, statuses=list(BundleStatus))
     base = base or (
         session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None
     )
@@ -427,15 +430,10 @@ def _check_pending(bundle: Bundle) -> None:
 
 
 def _claim(session: Session, record: LayerRecord) -> None:
-    sizes = {blob.sha256: blob.size for blob in record.blobs}
-    repository.claim_blobs(session, sizes=sizes)
-    known = repository.blobs_by_sha(session, shas=sizes)
-    for sha, size in sizes.items():
-        if known[sha].size != size:
-            raise InvalidRequestError(
-                f"blob {sha} has {known[sha].size} bytes in the catalog but the record says "
-                f"{size}: a blob's size follows from its SHA-256"
-            )
+    """Start the GC grace period of the record's blobs. Their catalog size is what some
+    record said until a commit verifies the stored bytes; a commit compares each record's
+    sizes with the store, never with another record's."""
+    repository.claim_blobs(session, sizes={blob.sha256: blob.size for blob in record.blobs})
 
 
 def _size(store: ObjectStore, sha: str) -> int | None:

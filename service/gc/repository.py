@@ -59,7 +59,7 @@ def lock_blobs(
 ) -> dict[str, Blob]:
     """Catalog rows for these blobs (inserted if absent), locked; rows another transaction
     holds are skipped (a record or commit is using them)."""
-    statement = insert(session, Blob.__table__).values(  # type: ignore[arg-type]
+    statement = insert(session, Blob).values(
         [
             {
                 "sha256": sha,
@@ -95,7 +95,10 @@ def orphan_blob_rows(session: Session, *, claimed_before: datetime) -> list[Blob
     )
     return list(
         session.scalars(
-            select(Blob).where(Blob.claimed_at < claimed_before, Blob.sha256.not_in(live))
+            select(Blob)
+            .where(Blob.claimed_at < claimed_before, Blob.sha256.not_in(live))
+            .order_by(Blob.sha256)
+            .with_for_update(skip_locked=True)  # rows a record or commit holds stay
         )
     )
 

@@ -5,6 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from service.deps import ContextDep, IdPath, PrincipalDep, RunPath
+from service.names import PRINTABLE
 from service.runs import service
 from service.runs.schemas import (
     AttemptCreate,
@@ -37,10 +38,10 @@ def list_runs(
     context: ContextDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     after: Annotated[
-        str | None, Query(max_length=128, description="the previous page's next")
+        str | None, Query(max_length=128, pattern=PRINTABLE, description="the previous page's next")
     ] = None,
     prefix: Annotated[
-        str | None, Query(max_length=128, description="names starting with this")
+        str | None, Query(max_length=128, pattern=PRINTABLE, description="names starting with this")
     ] = None,
 ) -> RunPage:
     """Runs by name, a page at a time."""

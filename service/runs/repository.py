@@ -21,9 +21,8 @@ def ensure_run(
     session: Session, *, name: str, keep_last: int | None = None, keep_every: int | None = None
 ) -> tuple[Run, bool]:
     """The run, locked for update, created if absent; and whether it was created."""
-    table = Run.__table__
     result = session.execute(
-        insert(session, table)  # type: ignore[arg-type]
+        insert(session, Run)
         .values(name=name, created_at=utcnow(), epoch=0, keep_last=keep_last, keep_every=keep_every)
         .on_conflict_do_nothing(index_elements=["name"])
         .returning(Run.id)

@@ -7,10 +7,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.contract import Manifest
 from service.models import EndReason
-from service.names import Id, RunName, Step
+from service.names import PRINTABLE, Id, RunName, Step
 
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
-Hostname = Annotated[str, Field(min_length=1, max_length=253)]
+Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=PRINTABLE)]
 
 
 class _Request(BaseModel):

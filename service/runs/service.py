@@ -287,11 +287,15 @@ def _run(session: Session, name: str, *, lock: Lock = Lock.NONE) -> Run:
 
 
 def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
-    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.UPDATE)
-    if attempt is None:
+    """The attempt locked for a change, its run share-locked: the run first, as every
+    other write locks (opening a bundle locks the run, then references the attempt)."""
+    found = repository.get_attempt(session, attempt_id=attempt_id)
+    if found is None:
         raise NotFoundError(f"no attempt with id {attempt_id}")
-    run = repository.get_run_by_id(session, run_id=attempt.run_id, lock=Lock.SHARE)
+    run = repository.get_run_by_id(session, run_id=found.run_id, lock=Lock.SHARE)
     require_write(principal, run.name)
+    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
+    assert attempt is not None
     return attempt, run
 
 
