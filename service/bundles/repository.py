@@ -3,7 +3,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from datetime import datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, utcnow
@@ -142,22 +142,6 @@ def mark_verified(session: Session, *, sizes: Mapping[str, int], at: datetime) -
             update(Blob),
             [{"sha256": sha, "size": sizes[sha], "verified_at": at} for sha in chunk],
         )
-
-
-def referenced_blobs(session: Session, *, bundle_id: int) -> dict[str, int]:
-    """The blobs a bundle's layers reference, with the sizes the catalog records."""
-    rows = session.execute(
-        select(LayerBlob.blob_sha256, Blob.size)
-        .join(Layer, Layer.id == LayerBlob.layer_id)
-        .join(Blob, Blob.sha256 == LayerBlob.blob_sha256, isouter=True)
-        .where(Layer.bundle_id == bundle_id)
-        .distinct()
-    )
-    return {sha: size for sha, size in rows}
-
-
-def num_bundles(session: Session) -> int:
-    return session.scalar(select(func.count()).select_from(Bundle)) or 0
 
 
 def add_bundle(session: Session, **values: object) -> Bundle:
