@@ -233,7 +233,7 @@ class Checkpointer:
         """
         wanted = {Layer(layer) for layer in layers}
         source_run = from_run or self.config.run
-        manifest = self._find_resumable(source_run, own=from_run is None)
+        manifest = self._find_resumable(source_run, own=source_run == self.config.run)
         if manifest is None:
             log.info(
                 "run %s: no resumable bundle in %s; starting fresh", source_run, self.store.url

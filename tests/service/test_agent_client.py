@@ -113,3 +113,20 @@ def test_a_run_that_has_a_head_refuses_a_save_without_resume(server: Server, run
         fresh.save()
     first.close()
     fresh.close()
+
+
+def test_naming_the_own_run_in_from_run_is_an_ordinary_resume(
+    server: Server, run_name: str
+) -> None:
+    first = checkpointer(server, run_name)
+    first.resume()
+    first.counters.step = 2
+    first.save()
+    first.close()
+    again = checkpointer(server, run_name)
+    assert again.resume(from_run=run_name).step == 2
+    again.counters.step = 3
+    again.save()
+    with server.client() as client:
+        assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 3
+    again.close()
