@@ -14,7 +14,11 @@ RunTrainer = Callable[..., dict[str, Any]]
 
 
 def run_trainer(
-    store: Path, out: Path, *args: str, expect_rc: int = 0, env: dict[str, str] | None = None
+    store: Path | str,
+    out: Path,
+    *args: str,
+    expect_rc: int = 0,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run the demo training job in a fresh process and load what it wrote."""
     command = [

@@ -21,7 +21,7 @@ TOKEN = "e2e-admin-token-0123456789"
 class ServerProcess:
     url: str
     token: str
-    store: Path
+    store: str
     log: Path
 
     def client(self) -> httpx.Client:
@@ -31,7 +31,7 @@ class ServerProcess:
 
     def env(self) -> dict[str, str]:
         """What a trainer needs to use this control plane."""
-        return {"CKPT_SERVER": self.url, "CKPT_TOKEN": self.token, "CKPT_STORE": str(self.store)}
+        return {"CKPT_SERVER": self.url, "CKPT_TOKEN": self.token, "CKPT_STORE": self.store}
 
 
 def free_port() -> int:
@@ -42,22 +42,32 @@ def free_port() -> int:
 
 
 @contextmanager
-def ckpt_server(root: Path, *, database_url: str | None = None) -> Iterator[ServerProcess]:
-    """``ckpt server`` on a free port, with its store under ``root``; stopped on exit."""
+def ckpt_server(
+    root: Path,
+    *,
+    database_url: str | None = None,
+    store: str | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[ServerProcess]:
+    """``ckpt server`` on a free port, with its store under ``root`` unless ``store`` names
+    one; stopped on exit."""
     port = free_port()
-    store = root / "store"
+    store = store or str(root / "store")
     log = root / "server.log"
-    env = {
+    environment = {
         **os.environ,
+        **(env or {}),
         "CKPT_DATABASE_URL": database_url or f"sqlite:///{root / 'catalog.db'}",
-        "CKPT_STORE": str(store),
+        "CKPT_STORE": store,
         "CKPT_ADMIN_TOKEN": TOKEN,
         "CKPT_AUTO_MIGRATE": "1",
         "CKPT_GC_INTERVAL_SECONDS": "0",
     }
     command = [sys.executable, "-m", "service.cli", "server", "--port", str(port)]
     with log.open("w") as out:
-        process = subprocess.Popen(command, env=env, cwd=root, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            command, env=environment, cwd=root, stdout=out, stderr=subprocess.STDOUT
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, process, log)

@@ -6,6 +6,7 @@ on a directory and on S3. A ``put`` is atomic: readers see the whole object or n
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlparse
@@ -59,7 +60,8 @@ class ObjectStore(Protocol):
 
 
 def open_store(url: str) -> ObjectStore:
-    """The store for a URL: a directory path or ``file://`` URL (``s3://`` comes later).
+    """The store for a URL: a directory path, ``file://`` URL, or ``s3://bucket/prefix``
+    (``CKPT_S3_ENDPOINT`` names a MinIO or other S3-compatible endpoint).
 
     Raises:
         ValueError: an unsupported scheme.
@@ -75,7 +77,12 @@ def open_store(url: str) -> ObjectStore:
                 f"store URL {url!r} names host {parsed.netloc!r}; use file:///absolute/path"
             )
         return DirectoryStore(url2pathname(parsed.path))
+    if parsed.scheme == "s3":
+        try:
+            from agent.storage.s3 import S3ObjectStore
+        except ImportError as err:
+            raise ValueError(f"{url}: S3 needs boto3: pip install 'ckpt[s3]' ({err})") from err
+        return S3ObjectStore(url, endpoint_url=os.environ.get("CKPT_S3_ENDPOINT") or None)
     raise ValueError(
-        f"unsupported store URL {url!r}: use a directory path or file:///path "
-        "(S3 support is not in this version)"
+        f"unsupported store URL {url!r}: use a directory path, file:///path or s3://bucket/prefix"
     )

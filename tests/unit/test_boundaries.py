@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +38,19 @@ def test_the_service_loads_no_torch(statement: str) -> None:
     modules = loaded_after(statement)
     assert "torch" not in modules
     assert "numpy" not in modules
+
+
+def test_exactly_one_module_imports_boto3() -> None:
+    root = Path(__file__).resolve().parents[2]
+    importers = sorted(
+        str(path.relative_to(root))
+        for package in ("agent", "service")
+        for path in (root / package).rglob("*.py")
+        if re.search(r"^\s*(import|from) (boto3|botocore)\b", path.read_text(), re.MULTILINE)
+    )
+    assert importers == ["agent/storage/s3.py"]
+
+
+def test_the_agent_loads_boto3_only_for_an_s3_store() -> None:
+    modules = loaded_after("import agent.storage; agent.storage.open_store('/tmp/x')")
+    assert "boto3" not in modules

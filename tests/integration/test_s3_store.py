@@ -1,0 +1,167 @@
+"""The S3 object store against a real S3 server over HTTP on 127.0.0.1 (moto)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.demo.compare import differences
+from agent.errors import StoreError
+from agent.storage import keys, open_store
+from agent.storage.s3 import S3ObjectStore
+from tests.conftest import run_trainer
+from tests.s3_server import S3Server, aws_environment, moto_server
+from tests.server_process import ckpt_server
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with aws_environment(), moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        yield server
+
+
+@pytest.fixture
+def store(s3: S3Server) -> S3ObjectStore:
+    return S3ObjectStore(f"s3://{s3.bucket()}/ckpt", endpoint_url=s3.endpoint, part_bytes=5 * MIB)
+
+
+def test_objects_round_trip(store: S3ObjectStore) -> None:
+    store.put("runs/a/x", [b"hello ", memoryview(b"world")])
+    assert store.get("runs/a/x") == b"hello world"
+    assert store.size("runs/a/x") == 11
+    assert store.size("runs/a/nothing") is None
+    buffer = bytearray(16)
+    assert store.read_into("runs/a/x", memoryview(buffer)) == 11
+    assert bytes(buffer[:11]) == b"hello world"
+    assert [(o.key, o.size) for o in store.list_objects("runs/")] == [("runs/a/x", 11)]
+    store.delete("runs/a/x")
+    store.delete("runs/a/x")  # absent: ignored
+    assert store.size("runs/a/x") is None
+    with pytest.raises(StoreError, match="no object 'runs/a/x'"):
+        store.get("runs/a/x")
+    with pytest.raises(StoreError, match="no object"):
+        store.read_into("runs/a/x", memoryview(buffer))
+
+
+def test_a_large_object_goes_up_in_several_checksummed_parts(
+    s3: S3Server, store: S3ObjectStore
+) -> None:
+    # Pieces that straddle the 5 MiB part boundaries, as a payload's tensors do.
+    pieces = [os.urandom(3 * MIB), os.urandom(7 * MIB + 5), os.urandom(2 * MIB)]
+    store.put("blobs/big", [memoryview(p) for p in pieces])
+    whole = b"".join(pieces)
+    assert store.get("blobs/big") == whole
+    head = s3.client().head_object(
+        Bucket=store.bucket, Key="ckpt/blobs/big", ChecksumMode="ENABLED"
+    )
+    # A multipart object's checksum is the SHA-256 of its parts' SHA-256s, with a part count.
+    parts = [whole[i : i + 5 * MIB] for i in range(0, len(whole), 5 * MIB)]
+    assert len(parts) == 3
+    combined = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in parts)).digest()
+    assert head["ChecksumSHA256"].split("-")[0] == base64.b64encode(combined).decode()
+    buffer = bytearray(len(whole))
+    assert store.read_into("blobs/big", memoryview(buffer)) == len(whole)
+    assert bytes(buffer) == whole
+    with pytest.raises(StoreError, match="expected at most"):
+        store.read_into("blobs/big", memoryview(bytearray(10)))
+
+
+def test_every_request_carries_the_sha256_of_its_bytes(store: S3ObjectStore) -> None:
+    sent: list[tuple[str, str]] = []
+
+    def capture(request: Any, **_: Any) -> None:
+        sent.append((request.headers.get("x-amz-checksum-sha256", b""), request.url))
+
+    store._client.meta.events.register("before-send.s3.*", capture)
+    data = os.urandom(1000)
+    store.put("blobs/small", [data])
+    checksum = base64.b64encode(hashlib.sha256(data).digest()).decode()
+    assert any(
+        (header.decode() if isinstance(header, bytes) else header) == checksum for header, _ in sent
+    ), sent
+
+
+def test_a_failed_multipart_upload_is_aborted_and_leaves_nothing(
+    s3: S3Server, store: S3ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(**_: Any) -> None:
+        raise StoreError("the network went away")
+
+    monkeypatch.setattr(store._client, "complete_multipart_upload", fail)
+    with pytest.raises(StoreError, match="went away"):
+        store.put("blobs/partial", [os.urandom(11 * MIB)])
+    assert store.size("blobs/partial") is None
+    uploads = s3.client().list_multipart_uploads(Bucket=store.bucket)
+    assert uploads.get("Uploads", []) == []
+
+
+def test_open_store_selects_s3_with_the_configured_endpoint(
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPT_S3_ENDPOINT", s3.endpoint)
+    bucket = s3.bucket()
+    opened = open_store(f"s3://{bucket}/a/b")
+    assert isinstance(opened, S3ObjectStore)
+    opened.put(keys.blob_key("0" * 64), [b"x"])
+    objects = s3.client().list_objects_v2(Bucket=bucket)["Contents"]
+    assert [o["Key"] for o in objects] == [f"a/b/{keys.blob_key('0' * 64)}"]
+    with pytest.raises(ValueError, match="not an S3 URL"):
+        S3ObjectStore("s3:///prefix-only")
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_s3_bit_exactly(s3: S3Server, tmp_path: Path) -> None:
+    steps = ("--steps", "24", "--total-steps", "32")
+    reference = run_trainer(tmp_path / "local", tmp_path / "reference.pt", *steps)
+    url = f"s3://{s3.bucket()}/checkpoints"
+    env = s3.env()
+    run_trainer(
+        url,
+        tmp_path / "killed.pt",
+        *steps,
+        "--save-at",
+        "12.2",
+        "--kill-after-save",
+        expect_rc=-9,
+        env=env,
+    )
+    resumed = run_trainer(url, tmp_path / "resumed.pt", *steps, env=env)
+    assert resumed["positions"][0] == (12, 3)
+    assert differences(reference, resumed) == []
+
+
+@pytest.mark.slow
+def test_the_control_plane_verifies_and_serves_bundles_in_s3(s3: S3Server, tmp_path: Path) -> None:
+    steps = ("--steps", "16", "--total-steps", "24")
+    reference = run_trainer(tmp_path / "local", tmp_path / "reference.pt", *steps)
+    url = f"s3://{s3.bucket()}/plane"
+    with ckpt_server(tmp_path, store=url, env=s3.env()) as server:
+        env = {**s3.env(), **server.env(), "CKPT_RUN": "s3-run"}
+        args = (*steps, "--run", "s3-run")
+        run_trainer(
+            url,
+            tmp_path / "killed.pt",
+            *args,
+            "--save-at",
+            "8.1",
+            "--kill-after-save",
+            expect_rc=-9,
+            env=env,
+        )
+        resumed = run_trainer(url, tmp_path / "resumed.pt", *args, env=env)
+        with server.client() as client:
+            found = client.get("/v1/runs/s3-run/resumable").json()
+            ready = client.get("/readyz").json()
+    assert differences(reference, resumed) == []
+    assert found["step"] == 8
+    assert ready["checks"]["store"] == "ok"
+    stored = S3ObjectStore(url, endpoint_url=s3.endpoint)
+    assert stored.size(keys.manifest_key("s3-run", 8)) is not None
