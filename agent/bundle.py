@@ -195,14 +195,19 @@ def load_manifest(store: ObjectStore, key: str) -> Manifest:
         raise BundleFormatError(f"{key}: not a valid ckpt manifest: {err}") from err
 
 
-def latest_manifest(store: ObjectStore, run: str) -> Manifest | None:
-    """The newest bundle of ``run`` whose manifest is valid and complete, or None.
+def latest_manifest(store: ObjectStore, run: str, *, below: int | None = None) -> Manifest | None:
+    """The newest bundle of ``run`` (below step ``below``) whose manifest is valid and
+    complete, or None.
 
     Blobs without a manifest (an interrupted save) are not bundles and are ignored; a
     manifest that fails validation is skipped with a warning.
     """
     steps = {key: keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(run))}
-    manifests = {key: step for key, step in steps.items() if step is not None}
+    manifests = {
+        key: step
+        for key, step in steps.items()
+        if step is not None and (below is None or step < below)
+    }
     for key in sorted(manifests, key=manifests.__getitem__, reverse=True):
         try:
             manifest = load_manifest(store, key)

@@ -31,7 +31,12 @@ from agent.client import ControlPlane, IncompleteCommitError, Registration, defa
 from agent.config import Config
 from agent.counters import Counters
 from agent.data import Resumed, data_source
-from agent.errors import BundleExistsError, CkptError, IncompatibleBundleError
+from agent.errors import (
+    BundleExistsError,
+    CkptError,
+    CorruptBundleError,
+    IncompatibleBundleError,
+)
 from agent.format import skeleton
 from agent.layers import TrainingObjects
 from agent.policy import Position, SavePolicy
@@ -225,24 +230,26 @@ class Checkpointer:
             Which bundle was restored (``bundle=None`` when there was none).
 
         Raises:
-            CorruptBundleError: a blob does not match its manifest. Every layer is read and
-                verified before any is restored, so the objects are left untouched.
+            CorruptBundleError: every resumable bundle has a blob that does not match its
+                manifest (one that fails is quarantined and the one before it is used).
+                Every layer is read and verified before any is restored, so the objects
+                are left untouched.
             BundleFormatError: the bundle is malformed (objects untouched, as above).
             IncompatibleBundleError: the bundle does not fit these objects. The layers before
                 the one that failed are already restored: rebuild the objects before training.
         """
         wanted = {Layer(layer) for layer in layers}
         source_run = from_run or self.config.run
-        manifest = self._find_resumable(source_run, own=source_run == self.config.run)
+        restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
+        manifest, states = self._read_newest_intact(
+            source_run, own=source_run == self.config.run, wanted=restored
+        )
         if manifest is None:
             log.info(
                 "run %s: no resumable bundle in %s; starting fresh", source_run, self.store.url
             )
             return ResumeResult(bundle=None, step=None, layers=())
-        self._check_compatible(manifest)
         name = bundle_name(manifest)
-        restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
-        states = {layer: self._read(manifest, layer) for layer in restored}
         if Layer.WEIGHTS in states and Layer.COUNTERS not in states:
             states[Layer.WEIGHTS]["grads"] = None  # partial sums belong to the old micro step
         for layer in restored:
@@ -270,6 +277,55 @@ class Checkpointer:
             [str(x) for x in restored],
         )
         return ResumeResult(bundle=name, step=manifest.step, layers=restored)
+
+    def _read_newest_intact(
+        self, run: str, *, own: bool, wanted: tuple[Layer, ...]
+    ) -> tuple[Manifest | None, dict[Layer, layers.State]]:
+        """The newest resumable bundle whose every blob verifies, read but not restored.
+
+        A bundle that fails verification is quarantined in the catalog (store-only: skipped)
+        and the one before it is tried, loudly. When every bundle fails, this raises rather
+        than start the run from scratch.
+        """
+        manifest = self._find_resumable(run, own=own)
+        failed: list[CorruptBundleError] = []
+        while manifest is not None:
+            self._check_compatible(manifest)
+            try:
+                return manifest, {layer: self._read(manifest, layer) for layer in wanted}
+            except CorruptBundleError as err:
+                log.error(
+                    "run %s: %s. Quarantining it and falling back to the bundle before it.",
+                    run,
+                    err,
+                )
+                failed.append(err)
+                manifest = self._fall_back(run, manifest, own=own, reason=str(err))
+        if failed:
+            names = ", ".join(err.bundle for err in failed)
+            raise CorruptBundleError(
+                f"run {run}: every resumable bundle failed verification ({names}); refusing to "
+                f"start from scratch. Check the store; to really start over, use a new run name. "
+                f"Last failure: {failed[-1]}",
+                bundle=failed[-1].bundle,
+                blob=failed[-1].blob,
+            )
+        return None, {}
+
+    def _fall_back(
+        self, run: str, manifest: Manifest, *, own: bool, reason: str
+    ) -> Manifest | None:
+        """The resumable bundle once ``manifest``'s is set aside."""
+        if self.control is None:
+            if own:  # the rotten bundle's step is saved again, replacing it
+                self._own_steps.add(manifest.step)
+            return latest_manifest(self.store, run, below=manifest.step)
+        if manifest.catalog is not None:
+            self.control.quarantine(manifest.catalog.bundle_id, reason=reason)
+        if own:  # register again: the new attempt resumes from (and records) the fallback
+            self._attempt = self._register(resume=True)
+            return self._attempt.resume_from
+        return self.control.resumable(run)
 
     def _find_resumable(self, run: str, *, own: bool) -> Manifest | None:
         """Store-only: the newest valid manifest. With a control plane: register this attempt

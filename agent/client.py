@@ -135,6 +135,9 @@ class ControlPlane:
         body = self._call("POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch})
         return Manifest.model_validate(body["bundle"]["manifest"])
 
+    def quarantine(self, bundle_id: int, *, reason: str) -> None:
+        self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", {"reason": reason[:2000]})
+
     def heartbeat(self, attempt_id: int, *, step: int) -> None:
         self._call("POST", f"/v1/attempts/{attempt_id}/heartbeat", {"step": step})
 

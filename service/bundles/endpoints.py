@@ -15,6 +15,7 @@ from service.bundles.schemas import (
     Committed,
     IncompleteBody,
     LayerPut,
+    Quarantine,
     RecordedLayer,
 )
 from service.contract import Layer
@@ -73,6 +74,14 @@ def commit(
 def get_bundle(bundle: IdPath, principal: PrincipalDep, context: ContextDep) -> BundleOut:
     """Manifest, status and per-rank per-layer completeness of a bundle."""
     return service.get_bundle(context, principal, bundle_id=bundle)
+
+
+@router.post("/bundles/{bundle}/quarantine", responses=CONFLICTS)
+def quarantine(
+    bundle: IdPath, request: Quarantine, principal: PrincipalDep, context: ContextDep
+) -> BundleOut:
+    """Set aside a complete bundle that failed verification (the agent reports it)."""
+    return service.quarantine(context, principal, bundle_id=bundle, request=request)
 
 
 @router.patch("/bundles/{bundle}")

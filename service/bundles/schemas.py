@@ -42,6 +42,10 @@ class BlobsMissing(BaseModel):
     missing: list[str]
 
 
+class Quarantine(_Request):
+    reason: Annotated[str, Field(min_length=1, max_length=2000, pattern=r"^[^\x00]*$")]
+
+
 class BundlePatch(_Request):
     pinned: bool
 

@@ -33,6 +33,7 @@ from service.bundles.schemas import (
     Commit,
     Committed,
     LayerPut,
+    Quarantine,
     RecordedLayer,
 )
 from service.completeness import StoredBlob
@@ -207,6 +208,24 @@ def patch_bundle(
         run = runs_repository.get_run_by_id(session, run_id=bundle.run_id)
         require_write(principal, run.name)
         bundle.pinned = patch.pinned
+        return bundle_out(session, bundle, run)
+
+
+def quarantine(
+    context: Context, principal: Principal, *, bundle_id: int, request: Quarantine
+) -> BundleOut:
+    """Set aside a complete bundle whose stored bytes failed verification: it is never
+    resumable again, and the run resumes from the complete bundle before it."""
+    with context.transaction() as session:
+        bundle, run, _ = _for_write(session, principal, bundle_id, lock=Lock.UPDATE)
+        if bundle.status not in (BundleStatus.COMPLETE, BundleStatus.QUARANTINED):
+            raise ConflictError(
+                f"bundle {bundle.id} is {bundle.status}; only a complete bundle is quarantined"
+            )
+        if bundle.status == BundleStatus.COMPLETE:
+            bundle.status = BundleStatus.QUARANTINED
+            bundle.reason = request.reason
+            log.error("run %s: bundle %d quarantined: %s", run.name, bundle.id, request.reason)
         return bundle_out(session, bundle, run)
 
 

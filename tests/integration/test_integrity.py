@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import pickle
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def blob_files(
 
 
 def test_a_flipped_byte_is_refused_naming_the_bundle_and_blob(tmp_path: Path) -> None:
-    store = saved_store(tmp_path)
+    store = saved_store(tmp_path, steps=(2,))
     victim = blob_files(store)[-1]
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -115,14 +116,44 @@ def test_a_flipped_byte_is_refused_naming_the_bundle_and_blob(tmp_path: Path) ->
         ckpt.resume()
     assert raised.value.blob == victim.name
     assert "runs/integrity/bundles/000000000002" in str(raised.value)
-    assert victim.name in str(raised.value)
+    assert "refusing to start from scratch" in str(raised.value)
     # The weights layer failed verification before anything was loaded into the model.
     assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
 
 
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_bundle_is_set_aside_for_the_one_before_it(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = saved_store(tmp_path)
+    victim = blob_files(store, layer=Layer.OPTIMIZER)[-1]
+    if damage == "flip":
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0x01
+        victim.write_bytes(data)
+    elif damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:-1])
+    else:
+        victim.unlink()
+    ckpt, model, _ = make(store)
+    with caplog.at_level(logging.ERROR, logger="ckpt"):
+        result = ckpt.resume()
+    assert result.step == 1 and ckpt.counters.step == 1
+    assert "runs/integrity/bundles/000000000002" in caplog.text
+    assert victim.name in caplog.text and "falling back" in caplog.text
+    # It is the state of step 1, exactly: a fresh run trained one step lands there too.
+    reference = DirectoryStore(tmp_path / "reference")
+    fresh, fresh_model, fresh_optimizer = make(reference)
+    train_step(fresh, fresh_model, fresh_optimizer)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), fresh_model.state_dict().values(), strict=True)
+    )
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete"])
 def test_a_truncated_or_missing_blob_is_refused(tmp_path: Path, damage: str) -> None:
-    store = saved_store(tmp_path)
+    store = saved_store(tmp_path, steps=(2,))
     victim = blob_files(store, layer=Layer.OPTIMIZER)[-1]
     if damage == "truncate":
         victim.write_bytes(victim.read_bytes()[:-1])

@@ -231,6 +231,14 @@ TABLE: list[Row] = [
         lambda w: f"/v1/tokens/{w.spare_token_id}",
     ),
     Row("POST", "/v1/gc", Access.ADMIN, 200, lambda w: "/v1/gc?dry_run=true"),
+    Row(  # last: it sets the complete bundle aside
+        "POST",
+        "/v1/bundles/{bundle}/quarantine",
+        Access.WRITE,
+        200,
+        lambda w: f"/v1/bundles/{w.complete_id}/quarantine",
+        body=lambda w: {"reason": "blob abc does not match its SHA-256"},
+    ),
 ]
 
 
