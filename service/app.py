@@ -43,16 +43,20 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stop = asyncio.Event()
         task = None
         if settings.gc_interval_seconds > 0:
-            task = asyncio.create_task(_collect_periodically(context, settings.gc_interval_seconds))
+            task = asyncio.create_task(
+                _collect_periodically(context, settings.gc_interval_seconds, stop)
+            )
         try:
             yield
         finally:
+            # Let a pass in flight finish: its thread would outlive a cancelled task and
+            # keep using the database after the app is gone.
+            stop.set()
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await task
 
     app = FastAPI(
         title="ckpt control plane",
@@ -70,9 +74,12 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     return app
 
 
-async def _collect_periodically(context: Context, interval: float) -> None:
+async def _collect_periodically(context: Context, interval: float, stop: asyncio.Event) -> None:
     while True:
-        await asyncio.sleep(interval)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        if stop.is_set():
+            return
         try:
             await run_in_threadpool(gc.collect, context)
         except Exception:  # keep the server up; the next pass tries again
