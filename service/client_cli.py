@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 DEFAULT_SERVER = "http://127.0.0.1:8470"
@@ -13,13 +12,10 @@ DEFAULT_SERVER = "http://127.0.0.1:8470"
 def resolve(server: str | None, token: str | None) -> tuple[str, str | None]:
     """The server URL and token: arguments, then CKPT_SERVER / CKPT_TOKEN, then the
     embedded server's admin token file."""
+    from agent.client import default_token  # torch-free: httpx and the wire contract
+
     server = server or os.environ.get("CKPT_SERVER") or DEFAULT_SERVER
-    token = token or os.environ.get("CKPT_TOKEN")
-    if token is None:
-        path = Path(os.environ.get("CKPT_ADMIN_TOKEN_FILE", ".ckpt/admin-token"))
-        if path.exists():
-            token = path.read_text().strip()
-    return server.rstrip("/"), token
+    return server.rstrip("/"), token or default_token()
 
 
 def get(

@@ -24,14 +24,14 @@ from sqlalchemy import text
 
 from agent.errors import StoreError
 from agent.storage import StoredObject, keys
-from service import lineage, retention
+from service import retention
 from service.context import Context
 from service.contract import Manifest
 from service.errors import StoreUnavailableError
 from service.gc import repository
 from service.models import Bundle, BundleStatus, utcnow
 from service.runs import repository as runs_repository
-from service.runs.service import node
+from service.runs.service import resumable_bundle
 from service.sql import Lock
 
 log = logging.getLogger("ckpt.gc")
@@ -88,8 +88,7 @@ def _retain(context: Context, name: str, *, dry_run: bool) -> list[int]:
         keep_last = run.keep_last or settings.keep_last
         keep_every = run.keep_every or settings.keep_every
         complete = repository.complete_bundles(session, run_id=run.id)
-        nodes = {b.id: node(b) for b in runs_repository.run_bundles(session, run_id=run.id)}
-        start = lineage.resumable(run.head_bundle_id, nodes)
+        start = resumable_bundle(session, run)
         protected = {i for i in (run.head_bundle_id, start.id if start else None) if i}
         doomed = retention.to_delete(
             [
