@@ -12,7 +12,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agent.checkpointer import Checkpointer, ResumeResult, SaveResult
+    from agent.checkpointer import Checkpointer, PendingSave, ResumeResult, SaveResult
+    from agent.config import InFlight
     from agent.counters import Counters
     from agent.data import PerSampleRNG, ResumableSampler
     from agent.errors import (
@@ -33,6 +34,8 @@ _EXPORTS = {
     "Checkpointer": "agent.checkpointer",
     "ResumeResult": "agent.checkpointer",
     "SaveResult": "agent.checkpointer",
+    "PendingSave": "agent.checkpointer",
+    "InFlight": "agent.config",
     "Counters": "agent.counters",
     "PerSampleRNG": "agent.data",
     "ResumableSampler": "agent.data",
@@ -58,8 +61,10 @@ __all__ = [
     "CorruptBundleError",
     "Counters",
     "FencedError",
+    "InFlight",
     "IncompatibleBundleError",
     "Layer",
+    "PendingSave",
     "PerSampleRNG",
     "ResumableSampler",
     "ResumeResult",

@@ -78,6 +78,26 @@ def _sha256(pieces: Iterator[memoryview]) -> str:
 
 
 HeldBlobs = Callable[[list[BlobRef]], set[str]]
+BlobSources = tuple[tuple[str, int, int], ...]
+
+
+@dataclass
+class BlobHashes:
+    """SHA-256s of the previous save's blobs, reused for blobs whose bytes did not change.
+
+    A blob is known by what it holds (``PayloadLayout.sources``); when every tensor it
+    covers is ``unchanged`` since the previous save, its hash from then still holds.
+    """
+
+    previous: Mapping[BlobSources, str] = field(default_factory=dict)
+    unchanged: frozenset[str] = frozenset()
+    current: dict[BlobSources, str] = field(default_factory=dict)
+    reused_bytes: int = 0
+
+    def known(self, sources: BlobSources) -> str | None:
+        if not all(name in self.unchanged for name, _, _ in sources):
+            return None
+        return self.previous.get(sources)
 
 
 def upload_layer(
@@ -87,28 +107,47 @@ def upload_layer(
     blob_bytes: int,
     stats: WriteStats,
     held: HeldBlobs,
+    hashes: BlobHashes | None = None,
+    progress: Callable[[int], None] = lambda nbytes: None,
 ) -> LayerRecord:
     """Lay out one payload, hash its blobs and put those the store does not hold intact.
 
     ``held`` answers which of the new blobs the store already holds intact: the store
-    itself (``store_held``) or the control plane (``/v1/blobs/missing``).
+    itself (``store_held``) or the control plane (``/v1/blobs/missing``). ``hashes`` carries
+    the previous save's blob hashes over; ``progress`` is told the size of each blob done.
     """
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes)
-    hashes = _parallel(lambda span: _sha256(plan.pieces(*span)), ranges)
+    hashes = hashes if hashes is not None else BlobHashes()
+    sources = [plan.sources(*span) for span in ranges]
+    known = [hashes.known(source) for source in sources]
+    digests = _parallel(
+        lambda item: item[1] or _sha256(plan.pieces(*item[0])), zip(ranges, known, strict=True)
+    )
+    hashes.current.update(zip(sources, digests, strict=True))
+    hashes.reused_bytes += sum(
+        end - start for (start, end), sha in zip(ranges, known, strict=True) if sha
+    )
     blobs = [
         BlobRef(sha256=sha, size=end - start)
-        for sha, (start, end) in zip(hashes, ranges, strict=True)
+        for sha, (start, end) in zip(digests, ranges, strict=True)
     ]
     new = {
         blob.sha256: (blob, span)
         for blob, span in zip(blobs, ranges, strict=True)
         if blob.sha256 not in stats.seen
     }
-    stats.seen.update(hashes)
+    stats.seen.update(digests)
     present = held([blob for blob, _ in new.values()]) if new else set()
     missing = [item for sha, item in new.items() if sha not in present]
-    _parallel(lambda item: store.put(keys.blob_key(item[0].sha256), plan.pieces(*item[1])), missing)
+    progress(sum(blob.size for blob in blobs) - sum(blob.size for blob, _ in missing))
+
+    def put(item: tuple[BlobRef, tuple[int, int]]) -> None:
+        blob, span = item
+        store.put(keys.blob_key(blob.sha256), plan.pieces(*span))
+        progress(blob.size)
+
+    _parallel(put, missing)
     stats.new_bytes += sum(blob.size for blob, _ in missing)
     stats.payload_bytes += plan.size
     return LayerRecord(
@@ -180,7 +219,11 @@ def commit_bundle(
 
 
 def bundle_name(manifest: Manifest) -> str:
-    return keys.manifest_key(manifest.run, manifest.step).removesuffix("/manifest.json")
+    return bundle_name_at(manifest.run, manifest.step)
+
+
+def bundle_name_at(run: str, step: int) -> str:
+    return keys.manifest_key(run, step).removesuffix("/manifest.json")
 
 
 def load_manifest(store: ObjectStore, key: str) -> Manifest:
@@ -227,7 +270,12 @@ def layer_record(manifest: Manifest, *, rank: int, layer: Layer) -> LayerRecord:
 
 
 def read_layer(
-    store: ObjectStore, manifest: Manifest, *, rank: int, layer: Layer
+    store: ObjectStore,
+    manifest: Manifest,
+    *,
+    rank: int,
+    layer: Layer,
+    progress: Callable[[int], None] = lambda nbytes: None,
 ) -> tuple[JSON, dict[str, torch.Tensor]]:
     """Download one payload, verify every blob's size and SHA-256, and parse it.
 
@@ -258,6 +306,7 @@ def read_layer(
         _fetch_blob(store, blob, buffer, bundle=name, rank=rank, layer=layer)
         if not direct:
             payload.scatter(target, start, buffer)
+        progress(blob.size)
 
     _parallel(fetch, zip(record.blobs, offsets, strict=False))
     header = payload.parse_header(

@@ -8,7 +8,9 @@ import platform
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
@@ -16,10 +18,13 @@ from torch import nn
 
 from agent import layers
 from agent.bundle import (
+    BlobHashes,
+    BlobSources,
     HeldBlobs,
     LayerState,
     WriteStats,
     bundle_name,
+    bundle_name_at,
     commit_bundle,
     latest_manifest,
     layer_record,
@@ -28,7 +33,7 @@ from agent.bundle import (
     upload_layer,
 )
 from agent.client import ControlPlane, IncompleteCommitError, Registration, default_token
-from agent.config import Config
+from agent.config import Config, InFlight
 from agent.counters import Counters
 from agent.data import Resumed, data_source
 from agent.errors import (
@@ -40,11 +45,21 @@ from agent.errors import (
 from agent.format import skeleton
 from agent.layers import TrainingObjects
 from agent.policy import Position, SavePolicy
+from agent.progress import Progress
+from agent.staging import Staged, StagingArea
 from agent.stateful import Stateful
 from agent.storage import ObjectStore, open_store
 from agent.storage.keys import manifest_key
 from service import __version__
-from service.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, Manifest, Versions
+from service.contract import (
+    RESTORE_ORDER,
+    BlobRef,
+    Layer,
+    LayerRecord,
+    Manifest,
+    SaveFigures,
+    Versions,
+)
 
 log = logging.getLogger("ckpt")
 
@@ -85,13 +100,79 @@ class ResumeResult:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What one ``save`` wrote."""
+    """What one save wrote and what it cost, once durable.
+
+    Attributes:
+        stall_seconds: how long ``save`` held training up (staging, plus waiting for the
+            save before it when that one was still in flight).
+        persist_seconds: from the end of staging until the bundle was committed.
+        payload_bytes: the bundle's bytes (this rank); new_bytes: those uploaded, the rest
+            being blobs the store already held.
+    """
 
     bundle: str
     step: int
     payload_bytes: int
     new_bytes: int
-    seconds: float
+    stall_seconds: float
+    persist_seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bundle bytes persisted per second."""
+        return self.payload_bytes / self.persist_seconds if self.persist_seconds else 0.0
+
+    @property
+    def dedup_ratio(self) -> float:
+        """The fraction of the bundle that was uploaded: 1.0 when nothing was in the store."""
+        return self.new_bytes / self.payload_bytes if self.payload_bytes else 0.0
+
+    @property
+    def figures(self) -> SaveFigures:
+        return SaveFigures(
+            stall_seconds=self.stall_seconds,
+            persist_seconds=self.persist_seconds,
+            payload_bytes=self.payload_bytes,
+            new_bytes=self.new_bytes,
+        )
+
+
+class PendingSave:
+    """A staged save; its persist (hash, upload, commit) runs in the background.
+
+    The save is *staged* when ``Checkpointer.save`` returns it: the state was copied, so
+    training may change it. It is *durable* once the bundle is committed: ``wait()``.
+    """
+
+    def __init__(
+        self, *, bundle: str, step: int, stall_seconds: float, future: Future[SaveResult]
+    ) -> None:
+        self.bundle = bundle
+        self.step = step
+        self.stall_seconds = stall_seconds
+        self._future = future
+
+    @property
+    def durable(self) -> bool:
+        """Whether the bundle is committed (False while in flight or when the persist failed)."""
+        return self._future.done() and self._future.exception() is None
+
+    def done(self) -> bool:
+        """Whether the persist ended, committed or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the bundle is durable.
+
+        Raises:
+            TimeoutError: still in flight after ``timeout`` seconds.
+            StoreError, ControlPlaneError, FencedError: the persist failed (see ``save``).
+        """
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "durable" if self.durable else "done" if self.done() else "in flight"
+        return f"<PendingSave {self.bundle} {state}>"
 
 
 def _named(objects: T | Iterable[T] | Mapping[str, T] | None, kind: type[Any]) -> dict[str, T]:
@@ -124,7 +205,8 @@ class Checkpointer:
         extras: other stateful objects (an EMA...), saved with the weights.
         generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
             objects to capture with the global RNGs.
-        store, server, token, every_steps, every_seconds, blob_bytes: see ``Config``.
+        store, server, token, every_steps, every_seconds, blob_bytes, in_flight: see
+            ``Config``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
@@ -150,6 +232,7 @@ class Checkpointer:
         every_steps: int | None = None,
         every_seconds: float | None = None,
         blob_bytes: int | None = None,
+        in_flight: InFlight | str | None = None,
     ) -> None:
         store_url = store if isinstance(store, str) or store is None else store.url
         self.config = Config.resolve(
@@ -161,6 +244,7 @@ class Checkpointer:
                 "every_steps": every_steps,
                 "every_seconds": every_seconds,
                 "blob_bytes": blob_bytes,
+                "in_flight": in_flight,
             }
         )
         self.store: ObjectStore = (
@@ -203,6 +287,10 @@ class Checkpointer:
         )
         self._attempt: Registration | None = None  # this process's attempt, once registered
         self._committed: dict[int, Manifest] = {}  # this attempt's bundles, by step
+        self._staging = StagingArea()
+        self._persister = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        self._in_flight: PendingSave | None = None
+        self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
 
     @property
     def counters(self) -> Counters:
@@ -238,6 +326,7 @@ class Checkpointer:
             IncompatibleBundleError: the bundle does not fit these objects. The layers before
                 the one that failed are already restored: rebuild the objects before training.
         """
+        self.wait()
         wanted = {Layer(layer) for layer in layers}
         source_run = from_run or self.config.run
         restored = tuple(layer for layer in RESTORE_ORDER if layer in wanted)
@@ -291,8 +380,12 @@ class Checkpointer:
         failed: list[CorruptBundleError] = []
         while manifest is not None:
             self._check_compatible(manifest)
+            progress = Progress(
+                f"ckpt: restoring {bundle_name(manifest)}",
+                sum(layer_record(manifest, rank=self.rank, layer=x).payload_bytes for x in wanted),
+            )
             try:
-                return manifest, {layer: self._read(manifest, layer) for layer in wanted}
+                return manifest, {layer: self._read(manifest, layer, progress) for layer in wanted}
             except CorruptBundleError as err:
                 log.error(
                     "run %s: %s. Quarantining it and falling back to the bundle before it.",
@@ -301,6 +394,8 @@ class Checkpointer:
                 )
                 failed.append(err)
                 manifest = self._fall_back(run, manifest, own=own, reason=str(err))
+            finally:
+                progress.close()
         if failed:
             names = ", ".join(err.bundle for err in failed)
             raise CorruptBundleError(
@@ -352,8 +447,10 @@ class Checkpointer:
         )
         return attempt
 
-    def _read(self, manifest: Manifest, layer: Layer) -> layers.State:
-        skeleton_json, tensors = read_layer(self.store, manifest, rank=self.rank, layer=layer)
+    def _read(self, manifest: Manifest, layer: Layer, progress: Progress) -> layers.State:
+        skeleton_json, tensors = read_layer(
+            self.store, manifest, rank=self.rank, layer=layer, progress=progress.advance
+        )
         record = layer_record(manifest, rank=self.rank, layer=layer)
         self._verified.update(blob.sha256 for blob in record.blobs)
         state: layers.State = skeleton.decode(skeleton_json, tensors)
@@ -398,68 +495,203 @@ class Checkpointer:
         counters.epoch += 1
         counters.batch = 0
 
-    def maybe_save(self) -> SaveResult | None:
-        """Save if the policy says so at the current position; call once per micro-batch."""
+    def maybe_save(self) -> PendingSave | None:
+        """Save if the policy says so at the current position; call once per micro-batch.
+
+        While the previous save is still persisting, a due save waits for it
+        (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
+        returned and the next call tries again).
+        """
         seconds = time.monotonic() - self._last_save_time
         if not self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds):
             return None
+        if self.config.in_flight is InFlight.SKIP and not self._settle(block=False):
+            log.info("run %s: a save is still in flight; skipping this one", self.config.run)
+            return None
         return self.save()
 
-    def save(self) -> SaveResult:
-        """Write a bundle of the current state now and return when it is durable.
+    def save(self) -> PendingSave:
+        """Stage a bundle of the current state and persist it in the background.
+
+        Returns once every tensor is copied into the staging buffers: training may then
+        change the state. At most one save is in flight: this first waits for the one
+        before it. Call ``wait()`` on the result, or ``Checkpointer.wait()``, for the
+        bundle to be durable.
 
         Raises:
             UnrepresentableStateError: a state value has no safe representation (names its key path).
+            BundleExistsError: store-only, the step has a bundle this process did not write.
+            StoreError, ControlPlaneError, FencedError: the previous save's persist failed
+                (raised here, once, so that no failed save goes unnoticed).
+
+        The persist itself raises, from ``wait()``:
             StoreError: the store failed; no manifest was written, so no bundle exists.
             FencedError: a newer attempt of the run registered; this process must stop.
             ControlPlaneError: the control plane refused the bundle (its message says why)
                 or stayed unreachable through the retries.
         """
         started = time.perf_counter()
+        self._settle(block=True)
         step = self.counters.step
         if self.control is None:
             self._check_not_replacing(step)
-        states = self._capture()
-        stats = WriteStats()
-        manifest = (
-            self._persist_store_only(states, stats, step=step)
-            if self.control is None
-            else self._persist_with_control_plane(states, stats, step=step)
-        )
-        self._own_steps.add(manifest.step)
+        states, staged = self._stage()
+        self._own_steps.add(step)
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
+        stall = time.perf_counter() - started
+        future = self._persister.submit(self._persist, states, staged, step=step, stall=stall)
+        self._in_flight = PendingSave(
+            bundle=bundle_name_at(self.config.run, step),
+            step=step,
+            stall_seconds=stall,
+            future=future,
+        )
+        return self._in_flight
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight (if any) is durable.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``).
+        """
+        pending, self._in_flight = self._in_flight, None
+        return pending.wait() if pending is not None else None
+
+    def _settle(self, *, block: bool) -> bool:
+        """Whether a new save may stage now: none in flight, or (``block``) it has ended."""
+        pending = self._in_flight
+        if pending is not None and not block and not pending.done():
+            return False
+        self.wait()
+        return True
+
+    def _stage(self) -> tuple[dict[Layer, LayerState], Staged]:
+        """Capture the six layers and copy their tensors into the staging buffers."""
+        skeletons = {}
+        tensors: dict[str, torch.Tensor] = {}
+        names: dict[Layer, list[str]] = {}
+        for layer in _CAPTURE_ORDER:
+            state = _CAPTURE[layer](self.objects)
+            skeletons[layer], layer_tensors = skeleton.encode(state, root=(str(layer),))
+            tensors.update(layer_tensors)
+            names[layer] = list(layer_tensors)
+        stable = self._stable_memory()
+        staged = self._staging.stage(
+            tensors, volatile=lambda t: t.untyped_storage().data_ptr() not in stable
+        )
+        states = {
+            layer: LayerState(skeletons[layer], {n: staged.tensors[n] for n in names[layer]})
+            for layer in RESTORE_ORDER
+        }
+        return states, staged
+
+    def _stable_memory(self) -> set[int]:
+        """Memory that changes only through ops that bump the version counter: the frozen
+        parameters of the models. Kernels that write tensors without bumping it include
+        fused optimizers (the parameters and their state) and batch norm (its running
+        statistics), so everything else is copied and hashed at every save."""
+        return {
+            param.untyped_storage().data_ptr()
+            for model in self.objects.models.values()
+            for param in model.parameters()
+            if not param.requires_grad
+        }
+
+    def _persist(
+        self, states: Mapping[Layer, LayerState], staged: Staged, *, step: int, stall: float
+    ) -> SaveResult:
+        """The background half of a save: hash, upload, record and commit."""
+        started = time.perf_counter()
+        name = bundle_name_at(self.config.run, step)
+        stats = WriteStats()
+        hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
+        progress = Progress(f"ckpt: saving {name}", sum(t.nbytes for t in staged.tensors.values()))
+        try:
+            manifest = (
+                self._persist_store_only(states, stats, hashes, progress, step=step)
+                if self.control is None
+                else self._persist_with_control_plane(states, stats, hashes, progress, step=step)
+            )
+        except Exception:
+            log.exception("run %s: saving %s failed", self.config.run, name)
+            raise
+        finally:
+            self._blob_hashes = hashes.current
+            progress.close()
         result = SaveResult(
             bundle=bundle_name(manifest),
             step=manifest.step,
             payload_bytes=stats.payload_bytes,
             new_bytes=stats.new_bytes,
-            seconds=time.perf_counter() - started,
+            stall_seconds=stall,
+            persist_seconds=time.perf_counter() - started,
         )
         log.info(
-            "run %s: saved %s (%d bytes, %d new) in %.3f s",
+            "run %s: saved %s: %d bytes, %d new (%.1f%%), stall %.3f s, persist %.3f s "
+            "(%.2f GB/s), %d bytes copied and %d hashed again",
             self.config.run,
             result.bundle,
             result.payload_bytes,
             result.new_bytes,
-            result.seconds,
+            100 * result.dedup_ratio,
+            result.stall_seconds,
+            result.persist_seconds,
+            result.throughput / 1e9,
+            staged.copied_bytes,
+            result.payload_bytes - hashes.reused_bytes,
         )
+        self._report(manifest, result)
         return result
 
+    def _report(self, manifest: Manifest, result: SaveResult) -> None:
+        """Send the save's figures to the control plane; a failure costs only the figures."""
+        if self.control is None or manifest.catalog is None:
+            return
+        try:
+            self.control.report_save(
+                manifest.catalog.bundle_id, rank=self.rank, figures=result.figures
+            )
+        except CkptError as err:
+            log.warning(
+                "run %s: could not report the figures of %s: %s",
+                self.config.run,
+                result.bundle,
+                err,
+            )
+
     def _upload(
-        self, states: Mapping[Layer, LayerState], stats: WriteStats, held: HeldBlobs
+        self,
+        states: Mapping[Layer, LayerState],
+        stats: WriteStats,
+        held: HeldBlobs,
+        hashes: BlobHashes,
+        progress: Progress,
     ) -> dict[Layer, LayerRecord]:
         return {
             layer: upload_layer(
-                self.store, state, blob_bytes=self.config.blob_bytes, stats=stats, held=held
+                self.store,
+                state,
+                blob_bytes=self.config.blob_bytes,
+                stats=stats,
+                held=held,
+                hashes=hashes,
+                progress=progress.advance,
             )
             for layer, state in states.items()
         }
 
     def _persist_store_only(
-        self, states: Mapping[Layer, LayerState], stats: WriteStats, *, step: int
+        self,
+        states: Mapping[Layer, LayerState],
+        stats: WriteStats,
+        hashes: BlobHashes,
+        progress: Progress,
+        *,
+        step: int,
     ) -> Manifest:
-        records = self._upload(states, stats, store_held(self.store, self._verified))
+        held = store_held(self.store, self._verified)
+        records = self._upload(states, stats, held, hashes, progress)
         return commit_bundle(
             self.store,
             run=self.config.run,
@@ -469,7 +701,13 @@ class Checkpointer:
         )
 
     def _persist_with_control_plane(
-        self, states: Mapping[Layer, LayerState], stats: WriteStats, *, step: int
+        self,
+        states: Mapping[Layer, LayerState],
+        stats: WriteStats,
+        hashes: BlobHashes,
+        progress: Progress,
+        *,
+        step: int,
     ) -> Manifest:
         """Persist through the control plane: one bundle per attempt and step."""
         control = self.control
@@ -486,18 +724,21 @@ class Checkpointer:
                 step,
             )
             return self._committed[step]
-        self._committed[step] = manifest = self._persist_bundle(
-            control, attempt, states, stats, step
-        )
+
+        def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
+            stats.seen.clear()  # a second round uploads the blobs that vanished again
+            stats.payload_bytes = 0
+            return self._upload(states, stats, held, hashes, progress)
+
+        self._committed[step] = manifest = self._persist_bundle(control, attempt, step, upload)
         return manifest
 
     def _persist_bundle(
         self,
         control: ControlPlane,
         attempt: Registration,
-        states: Mapping[Layer, LayerState],
-        stats: WriteStats,
         step: int,
+        upload: Callable[[HeldBlobs], dict[Layer, LayerRecord]],
     ) -> Manifest:
         """Open, upload what the store lacks, record every layer, commit. A commit that finds
         blobs gone (collected while this save deduplicated against them) uploads them again."""
@@ -516,7 +757,7 @@ class Checkpointer:
             return {b.sha256 for b in blobs} - control.missing_blobs(blobs) - force
 
         for _ in range(2):
-            records = self._upload(states, stats, held)
+            records = upload(held)
             for layer, record in records.items():
                 control.record_layer(
                     bundle_id, rank=self.rank, layer=layer, epoch=attempt.epoch, record=record
@@ -532,27 +773,53 @@ class Checkpointer:
                     len(err.blobs),
                 )
                 force = err.blobs
-                stats.seen.clear()
-                stats.payload_bytes = 0
         return control.commit(bundle_id, epoch=attempt.epoch)
 
     def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
-        """Tell the control plane how this attempt ended (finished, preempted or failed).
+        """Tell the control plane how this attempt ended (finished, preempted or failed),
+        after the save in flight ends.
 
         A no-op store-only, or when no attempt was registered.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is
+                reported all the same).
         """
-        if self.control is not None and self._attempt is not None:
-            self.control.end(
-                self._attempt.attempt_id,
-                reason=reason,
-                final_save_committed=final_save_committed,
-                step=self.counters.step,
-            )
+        try:
+            self.wait()
+        finally:
+            if self.control is not None and self._attempt is not None:
+                self.control.end(
+                    self._attempt.attempt_id,
+                    reason=reason,
+                    final_save_committed=final_save_committed,
+                    step=self.counters.step,
+                )
 
     def close(self) -> None:
-        """Release the control-plane connection (the attempt is not ended: see ``end``)."""
-        if self.control is not None:
-            self.control.close()
+        """Wait for the save in flight, then release the background thread and the
+        control-plane connection (the attempt is not ended: see ``end``).
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed.
+        """
+        try:
+            self.wait()
+        finally:
+            self._persister.shutdown(wait=True)
+            if self.control is not None:
+                self.control.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def _check_not_replacing(self, step: int) -> None:
         if step in self._own_steps or self.store.size(manifest_key(self.config.run, step)) is None:
@@ -562,13 +829,3 @@ class Checkpointer:
             "neither resumed from nor wrote; saving would replace it. Resume the run first "
             "(all layers), or warm-start a new run: resume(from_run=..., layers=[...])"
         )
-
-    def _capture(self) -> dict[Layer, LayerState]:
-        states: dict[Layer, LayerState] = {}
-        for layer in _CAPTURE_ORDER:
-            state = _CAPTURE[layer](self.objects)
-            encoded, tensors = skeleton.encode(state, root=(str(layer),))
-            states[layer] = LayerState(
-                encoded, {name: t.detach().cpu() for name, t in tensors.items()}
-            )
-        return {layer: states[layer] for layer in RESTORE_ORDER}

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from agent.errors import ControlPlaneError, FencedError
-from service.contract import BlobRef, Layer, LayerRecord, Manifest, Versions
+from service.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures, Versions
 
 log = logging.getLogger("ckpt.client")
 
@@ -134,6 +134,9 @@ class ControlPlane:
     def commit(self, bundle_id: int, *, epoch: int) -> Manifest:
         body = self._call("POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch})
         return Manifest.model_validate(body["bundle"]["manifest"])
+
+    def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:
+        self._call("PUT", f"/v1/bundles/{bundle_id}/saves/{rank}", figures.model_dump(mode="json"))
 
     def quarantine(self, bundle_id: int, *, reason: str) -> None:
         self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", {"reason": reason[:2000]})

@@ -5,6 +5,7 @@ A keyword argument wins over the environment; the environment wins over the defa
 
 from __future__ import annotations
 
+import enum
 import math
 import os
 from collections.abc import Mapping
@@ -24,7 +25,15 @@ ENV = {
     "every_steps": "CKPT_EVERY_STEPS",
     "every_seconds": "CKPT_EVERY_SECONDS",
     "blob_bytes": "CKPT_BLOB_BYTES",
+    "in_flight": "CKPT_IN_FLIGHT",
 }
+
+
+class InFlight(enum.StrEnum):
+    """What a save does while the previous one is still persisting."""
+
+    WAIT = "wait"  # wait for it, then stage: every save requested is taken
+    SKIP = "skip"  # return at once without saving: training never waits on the store
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,8 @@ class Config:
         every_steps: save when the optimizer step reaches a multiple of this (``CKPT_EVERY_STEPS``).
         every_seconds: save when this long has passed since the last save (``CKPT_EVERY_SECONDS``).
         blob_bytes: the largest blob a payload is cut into (``CKPT_BLOB_BYTES``, default 64 MiB).
+        in_flight: ``wait`` (default) or ``skip``: what a save does while the previous one
+            is still persisting (``CKPT_IN_FLIGHT``).
     """
 
     run: str
@@ -50,6 +61,7 @@ class Config:
     every_steps: int | None = None
     every_seconds: float | None = None
     blob_bytes: int = DEFAULT_BLOB_BYTES
+    in_flight: InFlight = InFlight.WAIT
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
@@ -61,6 +73,13 @@ class Config:
             raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
         if self.blob_bytes < 1 << 20:
             raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
+        try:
+            object.__setattr__(self, "in_flight", InFlight(str(self.in_flight).strip().lower()))
+        except ValueError:
+            raise ValueError(
+                f"in_flight (CKPT_IN_FLIGHT) must be one of {', '.join(InFlight)}, "
+                f"got {self.in_flight!r}"
+            ) from None
         if self.server is not None and urlparse(self.server).scheme not in ("http", "https"):
             raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
 

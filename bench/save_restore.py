@@ -6,7 +6,7 @@ The default state is 8 x nn.Linear(3264, 3264) plus Adam after one step (85.23M
 parameters, 48 tensors, 1.02 GB). Every figure is printed next to a
 baseline measured in the same run, on the same disk, as a ratio (these machines are noisy):
 
-- save: ``Checkpointer.save()`` (6 layers, SHA-256 of every blob, fsync + rename per blob,
+- save: ``Checkpointer.save().wait()`` (6 layers, SHA-256 of every blob, fsync + rename per blob,
   manifest last) vs ``torch.save`` of the same state dicts to a file + fsync.
 - resave: a second save of an unchanged state (every blob deduplicated; only headers and the
   manifest are written) vs the same ``torch.save``.
@@ -96,7 +96,7 @@ def main() -> None:
         t_save = median_seconds(torch_save, args.repeat)
         c_save = median_seconds(ckpt.save, args.repeat, before=fresh_store)
         c_resave = median_seconds(ckpt.save, args.repeat)
-        new_bytes = ckpt.save().new_bytes
+        new_bytes = ckpt.save().wait().new_bytes
         t_load = median_seconds(torch_load, args.repeat)
         c_load = median_seconds(ckpt.resume, args.repeat)
     finally:

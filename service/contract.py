@@ -129,6 +129,26 @@ class Manifest(_Frozen):
         return self
 
 
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+
+
+class SaveFigures(_Frozen):
+    """What one rank's save of a bundle cost (``PUT /v1/bundles/{id}/saves/{rank}``).
+
+    ``stall_seconds`` is the time training waited (staging the state, plus waiting for the
+    save before it when one was still in flight); ``persist_seconds`` runs from the end of
+    staging until the bundle was committed; ``new_bytes`` are the bytes this save uploaded
+    (the rest of ``payload_bytes`` was already in the store; a blob uploaded twice, because it
+    vanished before the commit, counts twice).
+    """
+
+    stall_seconds: Seconds
+    persist_seconds: Seconds
+    payload_bytes: Bytes
+    new_bytes: Bytes
+
+
 def missing_parts(manifest: Manifest) -> list[tuple[int, Layer]]:
     """Every (rank, layer) the manifest lacks; empty when the bundle is complete."""
     present = {(record.rank, layer) for record in manifest.ranks for layer in record.layers}

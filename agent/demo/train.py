@@ -175,7 +175,7 @@ def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> N
 
 
 def save_and_maybe_die(job: Job, *, kill: bool) -> None:
-    job.ckpt.save()
+    job.ckpt.save().wait()
     if kill:
         os.kill(os.getpid(), signal.SIGKILL)
 

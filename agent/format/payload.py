@@ -72,6 +72,21 @@ class PayloadLayout:
         views = [memoryview(self.header), *(tensor_bytes(t) for _, t in self.tensors)]
         return spans, views, [begin for begin, _ in spans]
 
+    def sources(self, start: int, end: int) -> tuple[tuple[str, int, int], ...]:
+        """What bytes ``[start, end)`` hold: ``(tensor name, begin, end)`` within each tensor,
+        with ``""`` naming the header."""
+        spans, _, starts = self._segments
+        names = ["", *(name for name, _ in self.tensors)]
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        found = []
+        while i < len(spans) and spans[i][0] < end:
+            begin, stop = spans[i]
+            lo, hi = max(start, begin), min(end, stop)
+            if lo < hi:
+                found.append((names[i], lo - begin, hi - begin))
+            i += 1
+        return tuple(found)
+
     def pieces(self, start: int, end: int) -> Iterator[memoryview]:
         """Zero-copy views that together are bytes ``[start, end)`` of the payload."""
         spans, views, starts = self._segments

@@ -38,7 +38,7 @@ def test_gpu_state_and_every_device_rng_resume_exactly(tmp_path: Path) -> None:
     for _ in range(3):
         step(model, optimizer)
     ckpt.counters.step = 3
-    ckpt.save()
+    ckpt.save().wait()
     expected = [step(model, optimizer) for _ in range(3)]
 
     fresh, restored_model, restored_optimizer = build(tmp_path)
@@ -57,7 +57,7 @@ def test_mid_accumulation_gradients_come_back_on_the_device(tmp_path: Path) -> N
     ckpt, model, _ = build(tmp_path)
     model(torch.randn(4, 8, device="cuda")).sum().backward()
     ckpt.counters.micro_step = 1
-    ckpt.save()
+    ckpt.save().wait()
     fresh, restored, _ = build(tmp_path)
     fresh.resume()
     for a, b in zip(model.parameters(), restored.parameters(), strict=True):

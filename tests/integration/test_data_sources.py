@@ -101,7 +101,7 @@ def test_a_bare_sampler_resumes_after_the_last_consumed_index(tmp_path: Path) ->
     uninterrupted = consume(checkpointer(tmp_path / "a", ResumableSampler(8, seed=3)), 20)
     first = checkpointer(tmp_path / "b", ResumableSampler(8, seed=3))
     head = consume(first, 13)
-    first.save()
+    first.save().wait()
     second = checkpointer(tmp_path / "b", ResumableSampler(8, seed=3))
     second.resume()
     assert head + consume(second, 7) == uninterrupted
@@ -111,7 +111,7 @@ def test_a_random_state_generator_round_trips(tmp_path: Path) -> None:
     state = np.random.RandomState(5)
     ckpt = checkpointer(tmp_path, None, generators={"legacy": state})
     state.random_sample(3)
-    ckpt.save()
+    ckpt.save().wait()
     expected = state.random_sample(4)
     fresh_state = np.random.RandomState(0)
     checkpointer(tmp_path, None, generators={"legacy": fresh_state}).resume()
@@ -142,7 +142,7 @@ def test_a_loader_generator_also_used_for_augmentation_resumes_exactly(tmp_path:
             for _ in ckpt.batches():
                 draws.append(torch.rand(1, generator=generator).item())
                 if len(draws) == stop_at:
-                    ckpt.save()
+                    ckpt.save().wait()
                     return draws
         return draws
 

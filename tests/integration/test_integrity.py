@@ -91,7 +91,7 @@ def saved_store(tmp_path: Path, steps: tuple[int, ...] = (1, 2)) -> DirectorySto
     for _ in range(max(steps)):
         train_step(ckpt, model, optimizer)
         if ckpt.counters.step in steps:
-            ckpt.save()
+            ckpt.save().wait()
     return store
 
 
@@ -200,7 +200,7 @@ def test_pickle_bytes_in_state_come_back_as_bytes_and_run_nothing(tmp_path: Path
     smuggled = pickle.dumps(Marker(marker))
     store = DirectoryStore(tmp_path / "store")
     ckpt, _, _ = make(store, box=Box({"payload": smuggled}))
-    ckpt.save()
+    ckpt.save().wait()
     box = Box()
     restored, _, _ = make(store, box=box)
     restored.resume()
@@ -249,7 +249,7 @@ def test_unrepresentable_state_fails_at_save_naming_its_key_path(tmp_path: Path)
     store = DirectoryStore(tmp_path)
     ckpt, _, _ = make(store, box=Box({"schedule": {"fn": lambda step: step}}))
     with pytest.raises(UnrepresentableStateError, match=r"weights/extras/box/schedule/fn"):
-        ckpt.save()
+        ckpt.save().wait()
     assert latest_manifest(store, "integrity") is None
 
 
@@ -302,7 +302,7 @@ def test_master_weights_generators_extras_and_named_objects_round_trip(tmp_path:
         saved["box"].state = {"ema": torch.randn(2), "n": saved["box"].state["n"] + 1}
     saved["npgen"].random(5)
     ckpt.counters.step = 3
-    ckpt.save()
+    ckpt.save().wait()
 
     fresh, restored = build()
     fresh.resume()
@@ -345,7 +345,7 @@ def test_a_list_of_schedulers_is_saved_as_separate_objects(tmp_path: Path) -> No
         ckpt.objects.optimizers["0"].step()
         for scheduler in schedulers:
             scheduler.step()
-    ckpt.save()
+    ckpt.save().wait()
     fresh, restored = build()
     fresh.resume()
     assert [s.state_dict() for s in restored] == [s.state_dict() for s in schedulers]
@@ -354,7 +354,7 @@ def test_a_list_of_schedulers_is_saved_as_separate_objects(tmp_path: Path) -> No
 def test_a_save_before_the_first_optimizer_step_resumes(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     ckpt, _, _ = make(store)
-    ckpt.save()
+    ckpt.save().wait()
     fresh, _, optimizer = make(store)
     assert fresh.resume().step == 0
     assert optimizer.state_dict()["state"] == {}
@@ -380,7 +380,7 @@ def test_a_damaged_blob_in_the_store_is_rewritten_not_referenced_again(tmp_path:
     store = DirectoryStore(tmp_path)
     ckpt, model, optimizer = make(store)
     train_step(ckpt, model, optimizer)
-    ckpt.save()
+    ckpt.save().wait()
     victim = blob_files(store, step=1)[-1]
     victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, wrong bytes
     # A new process saves the same state: it must not trust the damaged blob by its size.
@@ -393,7 +393,7 @@ def test_a_damaged_blob_in_the_store_is_rewritten_not_referenced_again(tmp_path:
         extras={"box": Box({"note": "hi"})},
     )
     again.counters.step = 2
-    assert again.save().new_bytes >= victim.stat().st_size
+    assert again.save().wait().new_bytes >= victim.stat().st_size
     assert make(store)[0].resume().step == 2
 
 
@@ -402,7 +402,7 @@ def test_store_failures_are_store_errors(tmp_path: Path) -> None:
     not_a_directory.write_text("x")
     ckpt, _, _ = make(DirectoryStore(not_a_directory))
     with pytest.raises(StoreError, match="Not a directory"):
-        ckpt.save()
+        ckpt.save().wait()
 
 
 def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
@@ -420,7 +420,7 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
     ckpt, embedding, _ = build()
     with torch.no_grad():
         embedding.weight.add_(1.0)
-    result = ckpt.save()
+    result = ckpt.save().wait()
     assert result.payload_bytes < 1000 * 64 * 4 * 1.5
     fresh, restored_embedding, restored_head = build()
     fresh.resume()
@@ -431,11 +431,11 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
 def test_a_blob_deleted_behind_a_live_checkpointer_is_written_again(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     ckpt, _, _ = make(store)
-    ckpt.save()
+    ckpt.save().wait()
     for path in (tmp_path / "blobs").rglob("*"):
         if path.is_file():
             path.unlink()
-    ckpt.save()
+    ckpt.save().wait()
     assert make(store)[0].resume().step == 0
 
 
@@ -445,7 +445,7 @@ def test_a_warm_start_into_the_same_run_cannot_replace_its_bundles(tmp_path: Pat
     ckpt.resume(layers=["weights"])
     ckpt.counters.step = 1
     with pytest.raises(BundleExistsError, match="step 1"):
-        ckpt.save()
+        ckpt.save().wait()
     assert latest_manifest(store, "integrity") is not None
 
 
@@ -454,7 +454,7 @@ def test_a_warm_start_from_another_run_takes_weights_but_not_stale_grads(tmp_pat
     base, model, _ = make(store)
     model(torch.randn(3, 4)).sum().backward()
     base.counters.micro_step = 1
-    base.save()
+    base.save().wait()
     torch.manual_seed(1)
     student = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     ckpt = Checkpointer(run="student", store=store, models=student, extras={"box": Box()})
@@ -465,5 +465,5 @@ def test_a_warm_start_from_another_run_takes_weights_but_not_stale_grads(tmp_pat
     )
     assert all(p.grad is None for p in student.parameters())
     assert ckpt.counters.step == 0
-    ckpt.save()  # into its own run
+    ckpt.save().wait()  # into its own run
     assert latest_manifest(store, "student") is not None

@@ -50,7 +50,7 @@ def test_saves_succeed_through_throttling_errors_and_resets(s3: S3Server) -> Non
         ckpt, model, optimizer = job(store, "faulty")
         for _ in range(3):
             step(ckpt, model, optimizer)
-            ckpt.save()
+            ckpt.save().wait()
     finally:
         proxy.close()
     assert faults.seen["slowdown"] and faults.seen["error"] and faults.seen["reset"]
@@ -80,7 +80,7 @@ def test_a_stalled_store_fails_the_save_within_its_timeout_and_leaves_no_bundle(
         step(ckpt, model, optimizer)
         started = time.monotonic()
         with pytest.raises(StoreError, match=r"cannot write 'blobs/.*[Tt]imeout on endpoint"):
-            ckpt.save()
+            ckpt.save().wait()
         elapsed = time.monotonic() - started
     finally:
         proxy.close()

@@ -33,7 +33,7 @@ def test_a_save_is_committed_through_the_control_plane(server: Server, run_name:
     ckpt = checkpointer(server, run_name)
     assert not ckpt.resume().resumed
     ckpt.counters.step = 3
-    ckpt.save()
+    ckpt.save().wait()
     with server.client() as client:
         found = client.get(f"/v1/runs/{run_name}/resumable").json()
     assert found["step"] == 3
@@ -53,10 +53,10 @@ def test_a_second_save_at_the_same_step_keeps_the_first(
 ) -> None:
     ckpt = checkpointer(server, run_name)
     ckpt.resume()
-    first = ckpt.save()
+    first = ckpt.save().wait()
     ckpt.counters.micro_step = 2
     with caplog.at_level(logging.WARNING, logger="ckpt"):
-        second = ckpt.save()
+        second = ckpt.save().wait()
     assert second.bundle == first.bundle
     assert "already committed a bundle at step 0" in caplog.text
     ckpt.close()
@@ -65,12 +65,12 @@ def test_a_second_save_at_the_same_step_keeps_the_first(
 def test_a_fenced_attempt_cannot_save(server: Server, run_name: str) -> None:
     zombie = checkpointer(server, run_name)
     zombie.resume()
-    zombie.save()
+    zombie.save().wait()
     successor = checkpointer(server, run_name)
     assert successor.resume().step == 0
     zombie.counters.step = 1
     with pytest.raises(FencedError, match="fenced"):
-        zombie.save()
+        zombie.save().wait()
     with server.client() as client:
         assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 0
     zombie.close()
@@ -96,7 +96,7 @@ def test_a_commit_that_finds_a_blob_gone_uploads_it_again(server: Server, run_na
     store = LosesOneBlob(server.store.root)
     ckpt = checkpointer(server, run_name, store=store)
     ckpt.resume()
-    ckpt.save()
+    ckpt.save().wait()
     assert store.dropped is not None
     assert store.size(store.dropped) is not None
     with server.client() as client:
@@ -107,10 +107,10 @@ def test_a_commit_that_finds_a_blob_gone_uploads_it_again(server: Server, run_na
 def test_a_run_that_has_a_head_refuses_a_save_without_resume(server: Server, run_name: str) -> None:
     first = checkpointer(server, run_name)
     first.resume()
-    first.save()
+    first.save().wait()
     fresh = checkpointer(server, run_name)
     with pytest.raises(ControlPlaneError, match="did not resume from"):
-        fresh.save()
+        fresh.save().wait()
     first.close()
     fresh.close()
 
@@ -121,12 +121,12 @@ def test_naming_the_own_run_in_from_run_is_an_ordinary_resume(
     first = checkpointer(server, run_name)
     first.resume()
     first.counters.step = 2
-    first.save()
+    first.save().wait()
     first.close()
     again = checkpointer(server, run_name)
     assert again.resume(from_run=run_name).step == 2
     again.counters.step = 3
-    again.save()
+    again.save().wait()
     with server.client() as client:
         assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 3
     again.close()
