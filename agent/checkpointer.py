@@ -150,6 +150,7 @@ class PendingSave:
         self.bundle = bundle
         self.step = step
         self.stall_seconds = stall_seconds
+        self.raised = False  # whether wait() already raised the persist's failure
         self._future = future
 
     @property
@@ -168,7 +169,11 @@ class PendingSave:
             TimeoutError: still in flight after ``timeout`` seconds.
             StoreError, ControlPlaneError, FencedError: the persist failed (see ``save``).
         """
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except BaseException:
+            self.raised = self._future.done()
+            raise
 
     def __repr__(self) -> str:
         state = "durable" if self.durable else "done" if self.done() else "in flight"
@@ -553,10 +558,13 @@ class Checkpointer:
         """Block until the save in flight (if any) is durable.
 
         Raises:
-            StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``).
+            StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``),
+                unless ``PendingSave.wait`` already raised that failure.
         """
         pending, self._in_flight = self._in_flight, None
-        return pending.wait() if pending is not None else None
+        if pending is None or pending.raised:
+            return None
+        return pending.wait()
 
     def _settle(self, *, block: bool) -> bool:
         """Whether a new save may stage now: none in flight, or (``block``) it has ended."""

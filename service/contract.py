@@ -129,8 +129,8 @@ class Manifest(_Frozen):
         return self
 
 
-Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
-Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False, strict=True)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES, strict=True)]
 
 
 class SaveFigures(_Frozen):

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+# From a millisecond (a small state staged in memory) to half an hour (a slow store).
+SAVE_SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800,
+)  # fmt: skip
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -48,4 +54,26 @@ class Metrics:
         )
         self.gc_deleted_bundles = Counter(
             "ckpt_gc_deleted_bundles", "bundles retention deleted", registry=self.registry
+        )
+        self.save_stall = Histogram(
+            "ckpt_save_stall_seconds",
+            "seconds training waited for a rank's save, as the rank reported it",
+            buckets=SAVE_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.save_persist = Histogram(
+            "ckpt_save_persist_seconds",
+            "seconds from the end of a rank's staging until its bundle was committed",
+            buckets=SAVE_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self.save_payload_bytes = Counter(
+            "ckpt_save_payload_bytes",
+            "payload bytes of the saves ranks reported",
+            registry=self.registry,
+        )
+        self.save_new_bytes = Counter(
+            "ckpt_save_new_bytes",
+            "bytes the reported saves uploaded (the rest was already in the store)",
+            registry=self.registry,
         )

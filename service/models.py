@@ -3,7 +3,8 @@ that the migrations and these models agree.
 
     run ──< attempt ──< bundle ──< layer ──< layer_blob >── blob
      │                    │ parent_id (lineage), run.head_bundle_id (the live branch's head)
-     └──< rollback        └ attempt.resumed_from_id (resume edges)
+     └──< rollback        ├ attempt.resumed_from_id (resume edges)
+                          └──< save (what each rank's save of it cost)
     token (hashed bearer tokens)
 """
 
@@ -20,6 +21,7 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -172,6 +174,25 @@ class Layer(Base):
     payload_bytes: Mapped[int] = mapped_column(BigInteger)
     record: Mapped[dict[str, Any]] = mapped_column(JSON)  # the LayerRecord, as sent
     recorded_at: Mapped[datetime]
+
+
+class Save(Base):
+    """What one rank's save of a bundle cost, as the rank reported it (the last report wins)."""
+
+    __tablename__ = "save"
+    __table_args__ = (
+        UniqueConstraint("bundle_id", "rank"),
+        CheckConstraint("rank >= 0", name="rank"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    bundle_id: Mapped[int] = mapped_column(ForeignKey("bundle.id", ondelete="CASCADE"))
+    rank: Mapped[int]
+    stall_seconds: Mapped[float] = mapped_column(Float)  # training waited this long
+    persist_seconds: Mapped[float] = mapped_column(Float)  # end of staging to the commit
+    payload_bytes: Mapped[int] = mapped_column(BigInteger)
+    new_bytes: Mapped[int] = mapped_column(BigInteger)  # uploaded; the rest was in the store
+    reported_at: Mapped[datetime]
 
 
 class LayerBlob(Base):

@@ -17,8 +17,9 @@ from service.bundles.schemas import (
     LayerPut,
     Quarantine,
     RecordedLayer,
+    SaveOut,
 )
-from service.contract import Layer
+from service.contract import Layer, SaveFigures
 from service.deps import ContextDep, IdPath, PrincipalDep, RunPath
 
 router = APIRouter(prefix="/v1", tags=["bundles"])
@@ -51,6 +52,19 @@ def record_layer(
     return service.record_layer(
         context, principal, bundle_id=bundle, rank=rank, layer=layer, put=put
     )
+
+
+@router.put("/bundles/{bundle}/saves/{rank}")
+def report_save(
+    *,
+    bundle: IdPath,
+    rank: RankPath,
+    figures: SaveFigures,
+    principal: PrincipalDep,
+    context: ContextDep,
+) -> SaveOut:
+    """Record what one rank's save of the bundle cost (a second report replaces it)."""
+    return service.report_save(context, principal, bundle_id=bundle, rank=rank, figures=figures)
 
 
 @router.post("/blobs/missing")

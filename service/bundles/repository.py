@@ -6,7 +6,7 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, utcnow
+from service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, Save, utcnow
 from service.sql import Lock, insert, locked
 
 # Rows per statement: Postgres takes at most 65535 bind parameters per query.
@@ -90,6 +90,34 @@ def insert_layer(
         statement = insert(session, LayerBlob)
         session.execute(statement.values(rows[start : start + _BATCH]))
     return True
+
+
+def put_save(session: Session, *, bundle_id: int, rank: int, figures: Mapping[str, float]) -> bool:
+    """Store a rank's save figures, replacing any it reported before; whether they are new."""
+    values = {**figures, "reported_at": utcnow()}
+    # Not ON CONFLICT DO UPDATE: the caller must know an insert from a replace, and only
+    # Postgres can tell them apart in RETURNING. A racing insert makes this one do nothing.
+    inserted = session.execute(
+        insert(session, Save)
+        .values(bundle_id=bundle_id, rank=rank, **values)
+        .on_conflict_do_nothing(index_elements=["bundle_id", "rank"])
+        .returning(Save.id)
+    ).first()
+    if inserted is None:
+        session.execute(
+            update(Save).where(Save.bundle_id == bundle_id, Save.rank == rank).values(**values)
+        )
+    return inserted is not None
+
+
+def get_save(session: Session, *, bundle_id: int, rank: int) -> Save | None:
+    return session.scalar(select(Save).where(Save.bundle_id == bundle_id, Save.rank == rank))
+
+
+def saves_of(session: Session, *, bundle_id: int) -> list[Save]:
+    return list(
+        session.scalars(select(Save).where(Save.bundle_id == bundle_id).order_by(Save.rank))
+    )
 
 
 def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:

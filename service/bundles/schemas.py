@@ -55,6 +55,17 @@ class RecordedLayer(Part):
     num_blobs: int
 
 
+class SaveOut(BaseModel):
+    """One rank's save figures (see ``service.contract.SaveFigures``) and when they came."""
+
+    rank: int
+    stall_seconds: float
+    persist_seconds: float
+    payload_bytes: int
+    new_bytes: int
+    reported_at: datetime
+
+
 class BundleOut(BaseModel):
     id: int
     run: str
@@ -70,6 +81,7 @@ class BundleOut(BaseModel):
     recorded: list[RecordedLayer]
     missing_layers: list[Part]  # per rank, per layer: what is not recorded yet
     manifest: Manifest | None
+    saves: list[SaveOut]  # by rank: the figures the ranks reported
 
 
 class Committed(BaseModel):

@@ -1,4 +1,5 @@
-"""Bundles: open, record layers, commit (the completeness check), and read them back.
+"""Bundles: open, record layers, commit (the completeness check), take each rank's save
+figures, and read them back.
 
 The commit protocol: a bundle is opened pending by the live attempt; each rank records its
 layers (idempotently); commit checks that every (rank, layer) is recorded and that the store
@@ -35,10 +36,19 @@ from service.bundles.schemas import (
     LayerPut,
     Quarantine,
     RecordedLayer,
+    SaveOut,
 )
 from service.completeness import StoredBlob
 from service.context import Context
-from service.contract import CatalogRef, Layer, LayerRecord, Manifest, RankRecord, Versions
+from service.contract import (
+    CatalogRef,
+    Layer,
+    LayerRecord,
+    Manifest,
+    RankRecord,
+    SaveFigures,
+    Versions,
+)
 from service.errors import (
     ConflictError,
     FencedError,
@@ -47,7 +57,8 @@ from service.errors import (
     NotFoundError,
     StoreUnavailableError,
 )
-from service.models import Attempt, Bundle, BundleStatus, Run, utcnow
+from service.metrics import Metrics
+from service.models import Attempt, Bundle, BundleStatus, Run, Save, utcnow
 from service.runs import repository as runs_repository
 from service.runs.service import catalog_nodes, node
 from service.sql import Lock
@@ -229,6 +240,33 @@ def quarantine(
         return bundle_out(session, bundle, run)
 
 
+def report_save(
+    context: Context, principal: Principal, *, bundle_id: int, rank: int, figures: SaveFigures
+) -> SaveOut:
+    """Store what one rank's save of the bundle cost; reporting again replaces the figures.
+
+    No epoch check: the figures are facts, even from a fenced attempt. Only a rank's first
+    report counts in the metrics, so a retried report counts once.
+    """
+    with context.transaction() as session:
+        # No row lock: nothing here changes the bundle or its run.
+        bundle, _, _ = _for_write(session, principal, bundle_id, lock=Lock.NONE)
+        if rank >= bundle.world_size:
+            raise InvalidRequestError(
+                f"rank {rank} is out of range: bundle {bundle.id} has world size "
+                f"{bundle.world_size}, so its ranks are 0 to {bundle.world_size - 1}"
+            )
+        new = repository.put_save(
+            session, bundle_id=bundle.id, rank=rank, figures=figures.model_dump()
+        )
+        saved = repository.get_save(session, bundle_id=bundle.id, rank=rank)
+        assert saved is not None
+        out = _save_out(saved)
+    if new:  # only once committed: a report that failed is sent again
+        _count_save(context.metrics, figures)
+    return out
+
+
 def bundle_out(session: Session, bundle: Bundle, run: Run) -> BundleOut:
     layers = repository.layers_of(session, bundle_id=bundle.id)
     recorded = {(row.rank, Layer(row.layer)) for row in layers}
@@ -255,6 +293,18 @@ def bundle_out(session: Session, bundle: Bundle, run: Run) -> BundleOut:
         ],
         missing_layers=completeness.missing_layers(world_size=bundle.world_size, recorded=recorded),
         manifest=Manifest.model_validate(bundle.manifest) if bundle.manifest else None,
+        saves=[_save_out(row) for row in repository.saves_of(session, bundle_id=bundle.id)],
+    )
+
+
+def _save_out(row: Save) -> SaveOut:
+    return SaveOut(
+        rank=row.rank,
+        stall_seconds=row.stall_seconds,
+        persist_seconds=row.persist_seconds,
+        payload_bytes=row.payload_bytes,
+        new_bytes=row.new_bytes,
+        reported_at=row.reported_at,
     )
 
 
@@ -371,6 +421,13 @@ def _manifest(
             epoch=attempt.epoch if attempt else 0,
         ),
     )
+
+
+def _count_save(metrics: Metrics, figures: SaveFigures) -> None:
+    metrics.save_stall.observe(figures.stall_seconds)
+    metrics.save_persist.observe(figures.persist_seconds)
+    metrics.save_payload_bytes.inc(figures.payload_bytes)
+    metrics.save_new_bytes.inc(figures.new_bytes)
 
 
 def _summary(missing: completeness.Missing) -> str:

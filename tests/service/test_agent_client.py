@@ -48,6 +48,30 @@ def test_a_save_is_committed_through_the_control_plane(server: Server, run_name:
     again.close()
 
 
+def test_each_save_reports_its_figures_to_the_control_plane(server: Server, run_name: str) -> None:
+    ckpt = checkpointer(server, run_name)
+    ckpt.resume()
+    first = ckpt.save().wait()
+    ckpt.counters.step = 1
+    second = ckpt.save().wait()
+    ckpt.close()
+    assert first.new_bytes == first.payload_bytes > 0  # an empty store: everything is new
+    assert second.new_bytes < second.payload_bytes  # the unchanged model is not sent again
+    with server.client() as client:
+        resumable = client.get(f"/v1/runs/{run_name}/resumable").json()
+        bundle = client.get(f"/v1/bundles/{resumable['bundle_id']}").json()
+        metrics = client.get("/metrics").text
+    [figures] = bundle["saves"]
+    assert figures["rank"] == 0
+    assert figures["payload_bytes"] == second.payload_bytes
+    assert figures["new_bytes"] == second.new_bytes
+    assert figures["stall_seconds"] == pytest.approx(second.stall_seconds)
+    assert figures["persist_seconds"] == pytest.approx(second.persist_seconds)
+    new_total = first.new_bytes + second.new_bytes
+    assert f"ckpt_save_new_bytes_total {float(new_total)}" in metrics
+    assert "ckpt_save_stall_seconds_count 2.0" in metrics
+
+
 def test_a_second_save_at_the_same_step_keeps_the_first(
     server: Server, run_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:

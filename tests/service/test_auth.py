@@ -183,6 +183,19 @@ TABLE: list[Row] = [
         body=lambda w: {"pinned": True},
     ),
     Row(
+        "PUT",
+        "/v1/bundles/{bundle}/saves/{rank}",
+        Access.WRITE,
+        200,
+        lambda w: f"/v1/bundles/{w.complete_id}/saves/0",
+        body=lambda w: {
+            "stall_seconds": 0.5,
+            "persist_seconds": 2.0,
+            "payload_bytes": 1024,
+            "new_bytes": 512,
+        },
+    ),
+    Row(
         "POST",
         "/v1/attempts/{attempt}/heartbeat",
         Access.WRITE,
