@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from agent.errors import BundleFormatError, CorruptBundleError, StoreError
 from agent.format import payload
-from agent.format.chunking import plan_blobs
+from agent.format.chunking import GROUP_BYTES, plan_blobs
 from agent.format.skeleton import JSON
 from agent.storage import ObjectStore, keys
 from service import __version__
@@ -117,7 +117,7 @@ def upload_layer(
     the previous save's blob hashes over; ``progress`` is told the size of each blob done.
     """
     plan = payload.layout(state.skeleton, state.tensors)
-    ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes)
+    ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
     hashes = hashes if hashes is not None else BlobHashes()
     sources = [plan.sources(*span) for span in ranges]
     known = [hashes.known(source) for source in sources]
@@ -275,12 +275,14 @@ def read_layer(
     *,
     rank: int,
     layer: Layer,
+    into: Mapping[str, torch.Tensor] | None = None,
     progress: Callable[[int], None] = lambda nbytes: None,
 ) -> tuple[JSON, dict[str, torch.Tensor]]:
     """Download one payload, verify every blob's size and SHA-256, and parse it.
 
-    Tensors are allocated from the manifest's index and filled blob by blob, in parallel;
-    nothing from a blob is used before its hash is checked.
+    Tensors are filled blob by blob, in parallel: the live tensors of ``into`` (by name)
+    where they match the manifest's index, fresh ones otherwise. A blob that fails its
+    check raises, but may have been written into its tensor already.
 
     Raises:
         CorruptBundleError: a blob is missing or does not match the manifest.
@@ -288,7 +290,7 @@ def read_layer(
     """
     record = layer_record(manifest, rank=rank, layer=layer)
     name = bundle_name(manifest)
-    target = payload.allocate(record.tensors, header_bytes=record.header_bytes)
+    target = payload.allocate(record.tensors, header_bytes=record.header_bytes, into=into)
     if target.size != record.payload_bytes:
         raise BundleFormatError(
             f"bundle {name}: the {layer} tensor index covers {target.size} bytes, "

@@ -171,8 +171,8 @@ class PendingSave:
         """
         try:
             return self._future.result(timeout)
-        except BaseException:
-            self.raised = self._future.done()
+        except BaseException as err:
+            self.raised = self._future.done() and self._future.exception() is err
             raise
 
     def __repr__(self) -> str:
@@ -210,8 +210,8 @@ class Checkpointer:
         extras: other stateful objects (an EMA...), saved with the weights.
         generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
             objects to capture with the global RNGs.
-        store, server, token, every_steps, every_seconds, blob_bytes, in_flight: see
-            ``Config``.
+        store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
+            skip_unchanged: see ``Config``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
@@ -238,6 +238,7 @@ class Checkpointer:
         every_seconds: float | None = None,
         blob_bytes: int | None = None,
         in_flight: InFlight | str | None = None,
+        skip_unchanged: bool | None = None,
     ) -> None:
         store_url = store if isinstance(store, str) or store is None else store.url
         self.config = Config.resolve(
@@ -250,6 +251,7 @@ class Checkpointer:
                 "every_seconds": every_seconds,
                 "blob_bytes": blob_bytes,
                 "in_flight": in_flight,
+                "skip_unchanged": skip_unchanged,
             }
         )
         self.store: ObjectStore = (
@@ -325,9 +327,10 @@ class Checkpointer:
         Raises:
             CorruptBundleError: every resumable bundle has a blob that does not match its
                 manifest (one that fails is quarantined and the one before it is used).
-                Every layer is read and verified before any is restored, so the objects
-                are left untouched.
-            BundleFormatError: the bundle is malformed (objects untouched, as above).
+                Blobs are read straight into the existing weights and optimizer state, so
+                those may then hold parts of a rejected bundle: rebuild them before training.
+            BundleFormatError: the bundle is malformed (weights and optimizer state may hold
+                parts of it, as above).
             IncompatibleBundleError: the bundle does not fit these objects. The layers before
                 the one that failed are already restored: rebuild the objects before training.
         """
@@ -454,12 +457,25 @@ class Checkpointer:
 
     def _read(self, manifest: Manifest, layer: Layer, progress: Progress) -> layers.State:
         skeleton_json, tensors = read_layer(
-            self.store, manifest, rank=self.rank, layer=layer, progress=progress.advance
+            self.store,
+            manifest,
+            rank=self.rank,
+            layer=layer,
+            into=self._live_tensors(layer),
+            progress=progress.advance,
         )
         record = layer_record(manifest, rank=self.rank, layer=layer)
         self._verified.update(blob.sha256 for blob in record.blobs)
         state: layers.State = skeleton.decode(skeleton_json, tensors)
         return state
+
+    def _live_tensors(self, layer: Layer) -> dict[str, torch.Tensor]:
+        """The tensors a layer's blobs are read straight into: the weights and optimizer
+        state that exist already (restoring them then copies nothing)."""
+        if layer not in (Layer.WEIGHTS, Layer.OPTIMIZER):
+            return {}
+        _, tensors = skeleton.encode(_CAPTURE[layer](self.objects), root=(str(layer),))
+        return tensors
 
     def _check_compatible(self, manifest: Manifest) -> None:
         if manifest.world_size != self.world_size:
@@ -599,6 +615,8 @@ class Checkpointer:
         parameters of the models. Kernels that write tensors without bumping it include
         fused optimizers (the parameters and their state) and batch norm (its running
         statistics), so everything else is copied and hashed at every save."""
+        if not self.config.skip_unchanged:
+            return set()
         return {
             param.untyped_storage().data_ptr()
             for model in self.objects.models.values()

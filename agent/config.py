@@ -26,6 +26,7 @@ ENV = {
     "every_seconds": "CKPT_EVERY_SECONDS",
     "blob_bytes": "CKPT_BLOB_BYTES",
     "in_flight": "CKPT_IN_FLIGHT",
+    "skip_unchanged": "CKPT_SKIP_UNCHANGED",
 }
 
 
@@ -52,6 +53,8 @@ class Config:
         blob_bytes: the largest blob a payload is cut into (``CKPT_BLOB_BYTES``, default 64 MiB).
         in_flight: ``wait`` (default) or ``skip``: what a save does while the previous one
             is still persisting (``CKPT_IN_FLIGHT``).
+        skip_unchanged: neither copy nor hash again a frozen parameter that did not change
+            (``CKPT_SKIP_UNCHANGED``, default true; see ``agent.staging``).
     """
 
     run: str
@@ -62,6 +65,7 @@ class Config:
     every_seconds: float | None = None
     blob_bytes: int = DEFAULT_BLOB_BYTES
     in_flight: InFlight = InFlight.WAIT
+    skip_unchanged: bool = True
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
@@ -109,4 +113,12 @@ def _parse(name: str, variable: str, text: str) -> object:
             return float(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a number") from None
+    if name == "skip_unchanged":
+        flag = text.strip().lower()
+        if flag not in _FLAGS:
+            raise ValueError(f"{variable}={text!r}: use 1 or 0 (true or false)")
+        return _FLAGS[flag]
     return text
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

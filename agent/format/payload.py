@@ -143,11 +143,17 @@ class Header:
     index: dict[str, TensorEntry]
 
 
-def allocate(index: Mapping[str, TensorEntry], *, header_bytes: int) -> PayloadLayout:
-    """Fresh tensors for every entry of a tensor index, laid out as the payload was.
+def allocate(
+    index: Mapping[str, TensorEntry],
+    *,
+    header_bytes: int,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> PayloadLayout:
+    """Tensors for every entry of a tensor index, laid out as the payload was.
 
-    Fill them with ``scatter``. Each tensor owns its memory, so the objects they are restored
-    into never see views of a shared buffer.
+    An entry whose name ``into`` maps to a contiguous CPU tensor of its dtype and shape is
+    read straight into that tensor (the live object being restored: no second copy); every
+    other entry gets a fresh tensor that owns its memory. Fill them with ``scatter``.
 
     Raises:
         BundleFormatError: the index has unknown dtypes or inconsistent offsets.
@@ -155,10 +161,23 @@ def allocate(index: Mapping[str, TensorEntry], *, header_bytes: int) -> PayloadL
     data_size = max((entry.data_offsets[1] for entry in index.values()), default=0)
     _check_offsets(index, data_size=data_size)
     ordered = sorted(index.items(), key=lambda item: item[1].data_offsets)
-    tensors = tuple(
-        (name, torch.empty(entry.shape, dtype=TORCH_DTYPES[entry.dtype])) for name, entry in ordered
-    )
+    live = into or {}
+    tensors = tuple((name, _target(entry, live.get(name))) for name, entry in ordered)
     return PayloadLayout(bytearray(header_bytes), tensors, dict(index))
+
+
+def _target(entry: TensorEntry, live: torch.Tensor | None) -> torch.Tensor:
+    dtype = TORCH_DTYPES[entry.dtype]
+    if (
+        live is not None
+        and live.device.type == "cpu"
+        and live.dtype == dtype
+        and tuple(live.shape) == entry.shape
+        and live.is_contiguous()
+        and not (live.is_neg() or live.is_conj())
+    ):
+        return live.detach()
+    return torch.empty(entry.shape, dtype=dtype)
 
 
 def scatter(target: PayloadLayout, start: int, data: memoryview) -> None:

@@ -48,6 +48,16 @@ def test_a_tensor_of_exactly_blob_bytes_is_one_blob() -> None:
     assert plan_blobs(spans_of(8, [5, 10]), blob_bytes=10) == [(0, 8), (8, 13), (13, 23)]
 
 
+def test_tensors_of_group_bytes_or_more_get_blobs_of_their_own() -> None:
+    # A frozen tensor between two that change keeps its own blob, hence its hash.
+    assert plan_blobs(spans_of(8, [2, 4, 2, 3, 1]), blob_bytes=100, group_bytes=4) == [
+        (0, 8),
+        (8, 10),
+        (10, 14),
+        (14, 20),
+    ]
+
+
 def test_the_header_is_alone_even_when_everything_would_fit() -> None:
     assert plan_blobs(spans_of(8, [1, 1]), blob_bytes=1 << 20) == [(0, 8), (8, 10)]
 
