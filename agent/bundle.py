@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import platform
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,11 +51,23 @@ class LayerState:
 
 @dataclass
 class WriteStats:
-    """What one save wrote."""
+    """What one save wrote; blobs are counted from several threads."""
 
     payload_bytes: int = 0
     new_bytes: int = 0
     seen: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self, sha256: str) -> bool:
+        """Whether this is the first time the save meets this blob (so it may store it)."""
+        with self._lock:
+            first = sha256 not in self.seen
+            self.seen.add(sha256)
+            return first
+
+    def stored(self, size: int) -> None:
+        with self._lock:
+            self.new_bytes += size
 
 
 # hashlib and file I/O release the GIL on large buffers, so blobs are hashed, written and
@@ -66,6 +79,9 @@ R = TypeVar("R")
 
 
 def _parallel(action: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    items = list(items)
+    if len(items) <= 1:
+        return [action(item) for item in items]
     with ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="ckpt-io") as pool:
         return list(pool.map(action, items))
 
@@ -93,11 +109,19 @@ class BlobHashes:
     unchanged: frozenset[str] = frozenset()
     current: dict[BlobSources, str] = field(default_factory=dict)
     reused_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def known(self, sources: BlobSources) -> str | None:
         if not all(name in self.unchanged for name, _, _ in sources):
             return None
         return self.previous.get(sources)
+
+    def remember(self, sources: BlobSources, sha256: str) -> None:
+        self.current[sources] = sha256  # one key per thread: a dict store is atomic
+
+    def reused(self, size: int) -> None:
+        with self._lock:
+            self.reused_bytes += size
 
 
 def upload_layer(
@@ -119,36 +143,25 @@ def upload_layer(
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
     hashes = hashes if hashes is not None else BlobHashes()
-    sources = [plan.sources(*span) for span in ranges]
-    known = [hashes.known(source) for source in sources]
-    digests = _parallel(
-        lambda item: item[1] or _sha256(plan.pieces(*item[0])), zip(ranges, known, strict=True)
-    )
-    hashes.current.update(zip(sources, digests, strict=True))
-    hashes.reused_bytes += sum(
-        end - start for (start, end), sha in zip(ranges, known, strict=True) if sha
-    )
-    blobs = [
-        BlobRef(sha256=sha, size=end - start)
-        for sha, (start, end) in zip(digests, ranges, strict=True)
-    ]
-    new = {
-        blob.sha256: (blob, span)
-        for blob, span in zip(blobs, ranges, strict=True)
-        if blob.sha256 not in stats.seen
-    }
-    stats.seen.update(digests)
-    present = held([blob for blob, _ in new.values()]) if new else set()
-    missing = [item for sha, item in new.items() if sha not in present]
-    progress(sum(blob.size for blob in blobs) - sum(blob.size for blob, _ in missing))
 
-    def put(item: tuple[BlobRef, tuple[int, int]]) -> None:
-        blob, span = item
-        store.put(keys.blob_key(blob.sha256), plan.pieces(*span))
+    # One task per blob, from hash to stored, so that hashing (CPU) and writing (I/O)
+    # overlap across the threads instead of running as two phases.
+    def persist(span: tuple[int, int]) -> BlobRef:
+        sources = plan.sources(*span)
+        sha = hashes.known(sources)
+        if sha is None:
+            sha = _sha256(plan.pieces(*span))
+        else:
+            hashes.reused(span[1] - span[0])
+        hashes.remember(sources, sha)
+        blob = BlobRef(sha256=sha, size=span[1] - span[0])
+        if stats.claim(sha) and not held([blob]):
+            store.put(keys.blob_key(sha), plan.pieces(*span))
+            stats.stored(blob.size)
         progress(blob.size)
+        return blob
 
-    _parallel(put, missing)
-    stats.new_bytes += sum(blob.size for blob, _ in missing)
+    blobs = _parallel(persist, ranges)
     stats.payload_bytes += plan.size
     return LayerRecord(
         payload_bytes=plan.size,

