@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 from pydantic import ValidationError
 
-from agent.errors import BundleFormatError, CorruptBundleError, StoreError
+from agent.errors import BadObjectError, BundleFormatError, CorruptBundleError, StoreError
 from agent.format import payload
 from agent.format.chunking import GROUP_BYTES, plan_blobs
 from agent.format.skeleton import JSON
@@ -340,11 +340,16 @@ def _fetch_blob(
     """Read one blob into ``target`` and check its size and SHA-256."""
     try:
         size = store.read_into(keys.blob_key(blob.sha256), target) if blob.size else 0
-    except StoreError as err:
+    except BadObjectError as err:
         raise CorruptBundleError(
-            f"bundle {bundle}: blob {blob.sha256} of rank {rank} {layer} is unreadable: {err}",
+            f"bundle {bundle}: blob {blob.sha256} of rank {rank} {layer} is unusable: {err}",
             bundle=bundle,
             blob=blob.sha256,
+        ) from err
+    except StoreError as err:
+        raise StoreError(
+            f"bundle {bundle}: the store failed while reading blob {blob.sha256} of rank "
+            f"{rank} {layer} ({err}); nothing was quarantined: retry when the store answers"
         ) from err
     if size != blob.size or hashlib.sha256(target).hexdigest() != blob.sha256:
         raise CorruptBundleError(

@@ -7,6 +7,7 @@
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
     ├── BundleExistsError          save: the run has another bundle at this step; refusing to replace it
     ├── StoreError                 the object store failed to read or write a key
+    │   └── BadObjectError         the store answered: no such key, or an object too large
     └── ControlPlaneError          the control plane refused a request or is unreachable
         └── FencedError            a newer attempt of the run registered; stop writing
 
@@ -47,6 +48,11 @@ class BundleExistsError(CkptError):
 
 class StoreError(CkptError):
     """The object store could not read or write a key."""
+
+
+class BadObjectError(StoreError):
+    """The store answered that the key does not exist or holds more bytes than expected
+    (as opposed to failing to answer)."""
 
 
 class ControlPlaneError(CkptError):

@@ -82,7 +82,11 @@ class FaultProxy:
         while (header := handler.rfile.readline()) not in (b"\r\n", b"\n", b""):
             name, _, value = header.decode().partition(":")
             headers.append((name.strip(), value.strip()))
-        length = int(dict((k.lower(), v) for k, v in headers).get("content-length", 0))
+        named = {k.lower(): v for k, v in headers}
+        if named.get("expect", "").lower() == "100-continue":  # botocore waits 1 s without it
+            handler.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            handler.wfile.flush()
+        length = int(named.get("content-length", 0))
         body = handler.rfile.read(length) if length else b""
         fault = self.faults.draw(method)
         if fault == "reset":

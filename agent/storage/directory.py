@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from stat import S_ISREG
 
-from agent.errors import StoreError
+from agent.errors import BadObjectError, StoreError
 from agent.storage.base import StoredObject
 
 
@@ -55,7 +55,7 @@ class DirectoryStore:
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
-            raise StoreError(f"{self.url}: no object {key!r}") from None
+            raise BadObjectError(f"{self.url}: no object {key!r}") from None
         except OSError as err:
             raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
 
@@ -64,7 +64,7 @@ class DirectoryStore:
             with self._path(key).open("rb", buffering=0) as source:
                 size = os.fstat(source.fileno()).st_size
                 if size > len(buffer):
-                    raise StoreError(
+                    raise BadObjectError(
                         f"{self.url}: {key!r} holds {size} bytes, expected at most {len(buffer)}"
                     )
                 filled = 0
@@ -75,7 +75,7 @@ class DirectoryStore:
                     filled += count
                 return size
         except FileNotFoundError:
-            raise StoreError(f"{self.url}: no object {key!r}") from None
+            raise BadObjectError(f"{self.url}: no object {key!r}") from None
         except OSError as err:
             raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
 

@@ -25,7 +25,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from agent.errors import StoreError
+from agent.errors import BadObjectError, StoreError
 from agent.storage.base import StoredObject
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
@@ -134,7 +134,7 @@ class S3ObjectStore:
             size = int(answer["ContentLength"])
             if size > len(buffer):
                 answer["Body"].close()
-                raise StoreError(
+                raise BadObjectError(
                     f"{self.url}: {key!r} holds {size} bytes, expected at most {len(buffer)}"
                 )
             filled = 0
@@ -188,7 +188,7 @@ class S3ObjectStore:
 
     def _error(self, action: str, key: str, err: ClientError) -> StoreError:
         if _code(err) in _NOT_FOUND:
-            return StoreError(f"{self.url}: no object {key!r}")
+            return BadObjectError(f"{self.url}: no object {key!r}")
         return StoreError(f"{self.url}: cannot {action} {key!r}: {err}")
 
 
