@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import nn
@@ -40,11 +42,13 @@ from agent.errors import (
     BundleExistsError,
     CkptError,
     CorruptBundleError,
+    FencedError,
     IncompatibleBundleError,
 )
 from agent.format import skeleton
 from agent.layers import TrainingObjects
 from agent.policy import Position, SavePolicy
+from agent.preemption import Preemption
 from agent.progress import Progress
 from agent.staging import Staged, StagingArea
 from agent.stateful import Stateful
@@ -211,7 +215,7 @@ class Checkpointer:
         generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
             objects to capture with the global RNGs.
         store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
-            skip_unchanged: see ``Config``.
+            skip_unchanged, grace_seconds, handle_signals, heartbeat_seconds: see ``Config``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
@@ -239,6 +243,9 @@ class Checkpointer:
         blob_bytes: int | None = None,
         in_flight: InFlight | str | None = None,
         skip_unchanged: bool | None = None,
+        grace_seconds: float | None = None,
+        handle_signals: bool | None = None,
+        heartbeat_seconds: float | None = None,
     ) -> None:
         store_url = store if isinstance(store, str) or store is None else store.url
         self.config = Config.resolve(
@@ -252,6 +259,9 @@ class Checkpointer:
                 "blob_bytes": blob_bytes,
                 "in_flight": in_flight,
                 "skip_unchanged": skip_unchanged,
+                "grace_seconds": grace_seconds,
+                "handle_signals": handle_signals,
+                "heartbeat_seconds": heartbeat_seconds,
             }
         )
         self.store: ObjectStore = (
@@ -298,6 +308,20 @@ class Checkpointer:
         self._persister = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         self._in_flight: PendingSave | None = None
         self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
+        self._durable_at: Position | None = None  # where this process's newest bundle is
+        self._save_seconds: float | None = None  # stall + persist of the last durable save
+        self._heartbeats: threading.Thread | None = None
+        self._stopping = threading.Event()  # stops the heartbeats
+        self._exit_lock = threading.Lock()
+        self._ended = False
+        # The agent's deadline leaves the interpreter time to exit (about a second here).
+        grace = self.config.grace_seconds
+        margin = min(max(1.0, 0.1 * grace), 5.0, grace / 2)
+        self._preemption = Preemption(
+            deadline_seconds=grace - margin, on_deadline=self._deadline_passed
+        )
+        if self.config.handle_signals:
+            self._preemption.install()
 
     @property
     def counters(self) -> Counters:
@@ -453,7 +477,33 @@ class Checkpointer:
             attempt.epoch,
             self.control.url,
         )
+        if self._heartbeats is None:
+            self._heartbeats = threading.Thread(
+                target=self._beat, name="ckpt-heartbeat", daemon=True
+            )
+            self._heartbeats.start()
         return attempt
+
+    def _beat(self) -> None:
+        """Tell the control plane every ``heartbeat_seconds`` that the attempt is alive and
+        at which step; it marks attempts whose heartbeats stop as lost."""
+        control = self.control
+        assert control is not None
+        while not self._stopping.wait(self.config.heartbeat_seconds):
+            attempt = self._attempt
+            if attempt is None:
+                continue
+            try:
+                control.heartbeat(
+                    attempt.attempt_id,
+                    step=self.counters.step,
+                    patience=self.config.heartbeat_seconds,
+                )
+            except FencedError as err:
+                log.error("run %s: %s; heartbeats stop", self.config.run, err)
+                return
+            except CkptError as err:
+                log.warning("run %s: heartbeat failed: %s", self.config.run, err)
 
     def _read(self, manifest: Manifest, layer: Layer, progress: Progress) -> layers.State:
         skeleton_json, tensors = read_layer(
@@ -522,7 +572,14 @@ class Checkpointer:
         While the previous save is still persisting, a due save waits for it
         (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
         returned and the next call tries again).
+
+        After SIGTERM or SIGINT this is where the process ends: it waits for the save in
+        flight, saves once more if its last measured save fits in what is left of the grace
+        period (else keeps the last bundle), ends the attempt as preempted, and raises
+        ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
+        if self._preemption.requested:
+            self._preempt()
         seconds = time.monotonic() - self._last_save_time
         if not self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds):
             return None
@@ -558,10 +615,12 @@ class Checkpointer:
             self._check_not_replacing(step)
         states, staged = self._stage()
         self._own_steps.add(step)
-        self._last_saved = self._position()
+        self._last_saved = position = self._position()
         self._last_save_time = time.monotonic()
         stall = time.perf_counter() - started
-        future = self._persister.submit(self._persist, states, staged, step=step, stall=stall)
+        future = self._persister.submit(
+            self._persist, states, staged, step=step, stall=stall, position=position
+        )
         self._in_flight = PendingSave(
             bundle=bundle_name_at(self.config.run, step),
             step=step,
@@ -625,11 +684,18 @@ class Checkpointer:
         }
 
     def _persist(
-        self, states: Mapping[Layer, LayerState], staged: Staged, *, step: int, stall: float
+        self,
+        states: Mapping[Layer, LayerState],
+        staged: Staged,
+        *,
+        step: int,
+        stall: float,
+        position: Position,
     ) -> SaveResult:
         """The background half of a save: hash, upload, record and commit."""
         started = time.perf_counter()
         name = bundle_name_at(self.config.run, step)
+        kept = self.control is not None and step in self._committed  # no new bundle then
         stats = WriteStats()
         hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
         progress = Progress(f"ckpt: saving {name}", sum(t.nbytes for t in staged.tensors.values()))
@@ -653,6 +719,9 @@ class Checkpointer:
             stall_seconds=stall,
             persist_seconds=time.perf_counter() - started,
         )
+        if not kept:
+            self._durable_at = position
+        self._save_seconds = result.stall_seconds + result.persist_seconds
         log.info(
             "run %s: saved %s: %d bytes, %d new (%.1f%%), stall %.3f s, persist %.3f s "
             "(%.2f GB/s), %d bytes copied and %d hashed again",
@@ -814,13 +883,23 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            if self.control is not None and self._attempt is not None:
-                self.control.end(
-                    self._attempt.attempt_id,
-                    reason=reason,
-                    final_save_committed=final_save_committed,
-                    step=self.counters.step,
-                )
+            self._end(reason, final_save_committed=final_save_committed, patience=None)
+
+    def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
+        """End the attempt once (the deadline action may race the loop to it)."""
+        with self._exit_lock:
+            if self._ended:
+                return
+            self._ended = True
+        self._stopping.set()
+        if self.control is not None and self._attempt is not None:
+            self.control.end(
+                self._attempt.attempt_id,
+                reason=reason,
+                final_save_committed=final_save_committed,
+                step=self.counters.step,
+                patience=patience,
+            )
 
     def close(self) -> None:
         """Wait for the save in flight, then release the background thread and the
@@ -832,9 +911,100 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            self._stopping.set()
+            self._preemption.uninstall()
             self._persister.shutdown(wait=True)
             if self.control is not None:
                 self.control.close()
+
+    # -- preemption ----------------------------------------------------------------------
+
+    def _budget(self) -> float:
+        """Seconds left before the deadline of the signal's grace period."""
+        return self._preemption.deadline_seconds - self._preemption.elapsed()
+
+    def _preempt(self) -> NoReturn:
+        """At a step boundary after a signal: make the newest state durable if there is time,
+        end the attempt as preempted, exit."""
+        signum = self._preemption.signum
+        assert signum is not None
+        try:
+            if self._finish_in_flight() and self._position() != self._durable_at:
+                self._emergency_save()
+        finally:
+            committed = self._durable_at == self._position()
+            try:
+                self._end(
+                    "preempted", final_save_committed=committed, patience=max(self._budget(), 0.5)
+                )
+            except CkptError as err:
+                log.error("run %s: could not end the attempt: %s", self.config.run, err)
+            self._preemption.settle()
+        log.warning(
+            "run %s: preempted by %s at step %d; %s; exiting with %d",
+            self.config.run,
+            signal.Signals(signum).name,
+            self.counters.step,
+            "this position is saved" if committed else f"the last bundle is at {self._durable_at}",
+            128 + signum,
+        )
+        raise SystemExit(128 + signum)
+
+    def _finish_in_flight(self) -> bool:
+        """Wait for the save in flight within the budget; False when time ran out."""
+        pending = self._in_flight
+        if pending is None:
+            return True
+        try:
+            pending.wait(timeout=max(self._budget(), 0.0))
+        except TimeoutError:
+            log.error(
+                "run %s: the save in flight did not finish within the grace period", self.config.run
+            )
+            return False
+        except CkptError as err:
+            log.error("run %s: the save in flight failed: %s", self.config.run, err)
+        self._in_flight = None
+        return True
+
+    def _emergency_save(self) -> None:
+        estimate, left = self._save_seconds, self._budget()
+        if estimate is None or estimate > left:
+            known = (
+                "no save was measured yet" if estimate is None else f"a save takes {estimate:.1f} s"
+            )
+            log.warning(
+                "run %s: not saving after the signal (%s, %.1f s left); the last bundle stays",
+                self.config.run,
+                known,
+                left,
+            )
+            return
+        try:
+            self.save().wait(timeout=max(self._budget(), 0.0))
+        except TimeoutError:
+            log.error("run %s: the emergency save did not finish in time", self.config.run)
+        except CkptError as err:
+            log.error("run %s: the emergency save failed: %s", self.config.run, err)
+
+    def _deadline_passed(self) -> None:
+        """The grace period is nearly over and the loop reached no step boundary (it is in
+        a long step, an evaluation, a stuck collective): end the attempt and the process
+        now, keeping the last bundle."""
+        signum = self._preemption.signum or signal.SIGTERM
+        log.error(
+            "run %s: no step boundary within the grace period; exiting with the last bundle (%s)",
+            self.config.run,
+            self._durable_at,
+        )
+        try:
+            self._end("preempted", final_save_committed=False, patience=1.0)
+        except CkptError as err:
+            log.error("run %s: could not end the attempt: %s", self.config.run, err)
+        with self._exit_lock:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(128 + signum)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -141,22 +141,44 @@ class ControlPlane:
     def quarantine(self, bundle_id: int, *, reason: str) -> None:
         self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", {"reason": reason[:2000]})
 
-    def heartbeat(self, attempt_id: int, *, step: int) -> None:
-        self._call("POST", f"/v1/attempts/{attempt_id}/heartbeat", {"step": step})
+    def heartbeat(self, attempt_id: int, *, step: int, patience: float) -> None:
+        self._call(
+            "POST", f"/v1/attempts/{attempt_id}/heartbeat", {"step": step}, patience=patience
+        )
 
-    def end(self, attempt_id: int, *, reason: str, final_save_committed: bool, step: int) -> None:
+    def end(
+        self,
+        attempt_id: int,
+        *,
+        reason: str,
+        final_save_committed: bool,
+        step: int,
+        patience: float | None = None,
+    ) -> None:
         self._call(
             "POST",
             f"/v1/attempts/{attempt_id}/end",
             {"reason": reason, "final_save_committed": final_save_committed, "step": step},
+            patience=patience,
         )
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        deadline = time.monotonic() + self._retry_seconds
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        patience: float | None = None,
+    ) -> dict[str, Any]:
+        """One request, retried on transport errors and 5xx for ``patience`` seconds
+        (default: the client's ``retry_seconds``), each try bounded by it too."""
+        window = self._retry_seconds if patience is None else patience
+        deadline = time.monotonic() + window
+        timeout = httpx.USE_CLIENT_DEFAULT if patience is None else max(patience, 0.1)
         delay = 0.2
         while True:
             try:
-                response = self._http.request(method, path, json=body)
+                response = self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as err:
                 problem: str = f"cannot reach the control plane at {self.url}: {err}"
                 status = None

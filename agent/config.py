@@ -27,6 +27,9 @@ ENV = {
     "blob_bytes": "CKPT_BLOB_BYTES",
     "in_flight": "CKPT_IN_FLIGHT",
     "skip_unchanged": "CKPT_SKIP_UNCHANGED",
+    "grace_seconds": "CKPT_GRACE_SECONDS",
+    "handle_signals": "CKPT_HANDLE_SIGNALS",
+    "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
 }
 
 
@@ -55,6 +58,12 @@ class Config:
             is still persisting (``CKPT_IN_FLIGHT``).
         skip_unchanged: neither copy nor hash again a frozen parameter that did not change
             (``CKPT_SKIP_UNCHANGED``, default true; see ``agent.staging``).
+        grace_seconds: how long the process has between SIGTERM and SIGKILL
+            (``CKPT_GRACE_SECONDS``, default 30: set it a little below the pod's
+            ``terminationGracePeriodSeconds``).
+        handle_signals: catch SIGTERM and SIGINT (``CKPT_HANDLE_SIGNALS``, default true).
+        heartbeat_seconds: how often the attempt tells the control plane it is alive
+            (``CKPT_HEARTBEAT_SECONDS``, default 10).
     """
 
     run: str
@@ -66,6 +75,9 @@ class Config:
     blob_bytes: int = DEFAULT_BLOB_BYTES
     in_flight: InFlight = InFlight.WAIT
     skip_unchanged: bool = True
+    grace_seconds: float = 30.0
+    handle_signals: bool = True
+    heartbeat_seconds: float = 10.0
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
@@ -75,6 +87,10 @@ class Config:
             self.every_seconds > 0 and math.isfinite(self.every_seconds)
         ):
             raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
+        for name in ("grace_seconds", "heartbeat_seconds"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if self.blob_bytes < 1 << 20:
             raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
         try:
@@ -109,11 +125,11 @@ def _parse(name: str, variable: str, text: str) -> object:
     try:
         if name in ("every_steps", "blob_bytes"):
             return int(text)
-        if name == "every_seconds":
+        if name in ("every_seconds", "grace_seconds", "heartbeat_seconds"):
             return float(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a number") from None
-    if name == "skip_unchanged":
+    if name in ("skip_unchanged", "handle_signals"):
         flag = text.strip().lower()
         if flag not in _FLAGS:
             raise ValueError(f"{variable}={text!r}: use 1 or 0 (true or false)")

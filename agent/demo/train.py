@@ -16,7 +16,8 @@ import math
 import os
 import random
 import signal
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from agent import Checkpointer, Layer, PerSampleRNG, ResumableSampler
+from agent.storage import ObjectStore, open_store
 
 ACCUMULATION = 4
 BATCH_SIZE = 8
@@ -119,7 +121,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="do not wrap the dataset in PerSampleRNG (shows why it exists)",
     )
     add("--skip-layer", choices=[str(layer) for layer in Layer], action="append", default=[])
+    # Preemption drills: a signal at a known position, a long step, a slow or dying upload.
+    add("--signal-at", type=parse_position, default=None, help="STEP[.MICRO]: SIGTERM itself")
+    add("--pause-at", type=parse_pause, default=None, help="STEP[.MICRO]:SECONDS: a long step")
+    add("--slow-store", type=float, default=0.0, help="seconds each blob upload takes extra")
+    add(
+        "--kill-during-upload",
+        type=int,
+        default=None,
+        help="STEP: SIGKILL itself while uploading the bundle of that step",
+    )
     return parser.parse_args(argv)
+
+
+def parse_pause(text: str) -> tuple[tuple[int, int], float]:
+    """``"30.2:5"`` -> ((30, 2), 5.0)."""
+    where, _, seconds = text.partition(":")
+    return parse_position(where), float(seconds)
+
+
+class DrillStore:
+    """The real store, with uploads slowed down or the process killed in the middle of one."""
+
+    def __init__(self, inner: ObjectStore, *, delay: float) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.delay = delay
+        self.kill_next_blob = False
+
+    def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
+        if key.startswith("blobs/"):
+            if self.kill_next_blob:
+                print("killed during an upload", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.delay)
+        self.inner.put(key, pieces)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 @dataclass
@@ -131,6 +170,7 @@ class Job:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     ckpt: Checkpointer
+    store: DrillStore
     records: list[tuple[int, int, torch.Tensor, float]] = field(default_factory=list)
 
 
@@ -142,9 +182,10 @@ def build(args: argparse.Namespace) -> Job:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.total_steps))
     scaler = torch.amp.GradScaler("cpu", growth_interval=5)
+    store = DrillStore(open_store(args.store), delay=args.slow_store)
     ckpt = Checkpointer(
         run=args.run,
-        store=args.store,
+        store=store,
         models=model,
         optimizers=optimizer,
         schedulers=scheduler,
@@ -152,7 +193,7 @@ def build(args: argparse.Namespace) -> Job:
         scaler=scaler,
         every_steps=args.every,
     )
-    return Job(model, optimizer, scheduler, scaler, ckpt)
+    return Job(model, optimizer, scheduler, scaler, ckpt, store)
 
 
 def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> None:
@@ -195,7 +236,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             position = (counters.step, counters.micro_step)
             if position == args.save_at:
                 save_and_maybe_die(job, kill=args.kill_after_save)
+            if args.kill_during_upload == counters.step and counters.micro_step == 0:
+                job.store.kill_next_blob = True
+            if args.pause_at is not None and position == args.pause_at[0]:
+                print(f"a long step at {position[0]}.{position[1]}", flush=True)
+                time.sleep(args.pause_at[1])
             saved = job.ckpt.maybe_save()
+            if position == args.signal_at:
+                print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
             if position == args.kill_at:
                 print(f"killed at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
