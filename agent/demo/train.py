@@ -131,7 +131,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="STEP: SIGKILL itself while uploading the bundle of that step",
     )
+    add(
+        "--drill-marker",
+        default=None,
+        help="a file: --kill-during-upload fires only while it does not exist, and creates it",
+    )
     return parser.parse_args(argv)
+
+
+def arm_once(marker: str | None) -> bool:
+    """Whether a drill fires: always without a marker file, else only the first time."""
+    if marker is None:
+        return True
+    try:
+        with open(marker, "x"):
+            return True
+    except FileExistsError:
+        return False
 
 
 def parse_pause(text: str) -> tuple[tuple[int, int], float]:
@@ -237,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if position == args.save_at:
                 save_and_maybe_die(job, kill=args.kill_after_save)
             if args.kill_during_upload == counters.step and counters.micro_step == 0:
-                job.store.kill_next_blob = True
+                job.store.kill_next_blob = arm_once(args.drill_marker)
             if args.pause_at is not None and position == args.pause_at[0]:
                 print(f"a long step at {position[0]}.{position[1]}", flush=True)
                 time.sleep(args.pause_at[1])
