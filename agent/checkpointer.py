@@ -184,6 +184,14 @@ class PendingSave:
         return f"<PendingSave {self.bundle} {state}>"
 
 
+def _pod_name() -> str:
+    """``CKPT_POD`` (the hostname by default), with ``/CKPT_POD_UID`` when set: a recreated
+    pod may reuse its name, never its UID."""
+    name = os.environ.get("CKPT_POD") or socket.gethostname()
+    uid = os.environ.get("CKPT_POD_UID")
+    return f"{name}/{uid}" if uid else name
+
+
 def _named(objects: T | Iterable[T] | Mapping[str, T] | None, kind: type[Any]) -> dict[str, T]:
     """``{name: object}`` from one object (named "0"), a list (named by position) or a dict."""
     if objects is None:
@@ -466,7 +474,7 @@ class Checkpointer:
         assert self.control is not None
         attempt = self.control.register(
             self.config.run,
-            pod=os.environ.get("CKPT_POD") or socket.gethostname(),
+            pod=_pod_name(),
             node=os.environ.get("CKPT_NODE"),
             resume=resume,
         )
