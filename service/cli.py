@@ -4,6 +4,7 @@ Each subcommand imports what it needs when it runs, so the command works in a tr
 image (no FastAPI) and in a control-plane image (no torch) alike.
 
     ckpt demo                      train, kill, resume, compare (needs the agent extra)
+    ckpt launch -- COMMAND...      run a trainer, restart it after a preemption or a crash
     ckpt server | migrate | gc     run the control plane, upgrade its schema, collect garbage
     ckpt token create              mint a bearer token in the catalog
     ckpt catalog rebuild           recreate the catalog from the manifests in the store
@@ -38,6 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
         help="train, kill, resume in a new process, and check the result is bit-exact",
     )
+    commands.add_parser(
+        "launch",
+        add_help=False,
+        help="run a training command; restart it after a preemption or a crash",
+    )
     _add_server_commands(commands)
     _add_client_commands(commands)
     args, rest = parser.parse_known_args(argv)
@@ -52,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 2, f"ckpt demo needs the training extra: pip install 'ckpt[agent]' ({err})\n"
             )
         return demo(rest)
+    if args.command == "launch":
+        from agent.launch import main as launch
+
+        return launch(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handler: Handler | None = getattr(args, "handler", None)

@@ -1,0 +1,337 @@
+"""``ckpt launch``: restarts after preemptions and crashes, the budget, signals, exit codes.
+
+Most tests supervise a fake trainer (a small script in tmp_path) that follows a plan, one
+step per attempt: an exit code, ``kill`` (SIGKILL itself), ``wait`` (record the signal it
+gets and exit 143) or ``deaf`` (ignore SIGTERM). The last test supervises the demo trainer,
+kills it, and checks the restarted run ends bit-identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from agent.demo.compare import differences
+from agent.launch import MAX_BACKOFF_SECONDS, Outcome, backoff_seconds, classify
+from service.cli import main as ckpt
+from tests.conftest import run_trainer
+
+# The console script pip installed beside this interpreter.
+CKPT = str(Path(sys.executable).parent / "ckpt")
+
+FAKE_TRAINER = """
+import json, os, signal, sys, time
+from pathlib import Path
+
+state, plan = Path(sys.argv[1]), sys.argv[2].split(",")
+attempt = len(list(state.glob("attempt-*"))) + 1
+environment = {k: v for k, v in os.environ.items() if k.startswith("CKPT_")}
+(state / f"attempt-{attempt}").write_text(json.dumps({"pid": os.getpid(), "env": environment}))
+step = plan[min(attempt, len(plan)) - 1]
+if step == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if step in ("wait", "deaf"):
+    def record(signum, frame):
+        (state / "signal").write_text(signal.Signals(signum).name)
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if step == "deaf" else record)
+    signal.signal(signal.SIGINT, record)
+    (state / f"ready-{attempt}").touch()
+    time.sleep(60)  # a signal ends it sooner; an orphan of a failed test, no later
+    sys.exit(99)
+sys.exit(int(step))
+"""
+
+
+class FakeTrainer:
+    """The fake trainer's script and the directory where it keeps its attempts."""
+
+    def __init__(self, root: Path) -> None:
+        self.script = root / "fake_trainer.py"
+        self.script.write_text(FAKE_TRAINER)
+        self.state = root / "state"
+        self.state.mkdir()
+
+    def command(self, plan: str) -> list[str]:
+        return [sys.executable, str(self.script), str(self.state), plan]
+
+    def attempts(self) -> list[dict[str, Any]]:
+        count = len(list(self.state.glob("attempt-*")))
+        return [json.loads((self.state / f"attempt-{n}").read_text()) for n in range(1, count + 1)]
+
+    def received(self) -> str | None:
+        path = self.state / "signal"
+        return path.read_text() if path.exists() else None
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeTrainer:
+    return FakeTrainer(tmp_path)
+
+
+def launch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [CKPT, "launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+class Supervisor:
+    """``ckpt launch`` running in the background, its stderr in a file."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log = log
+        with log.open("w") as stderr:
+            self.process = subprocess.Popen([CKPT, "launch", *args], stderr=stderr)
+
+    def send(self, signum: signal.Signals) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def logged(self) -> str:
+        return self.log.read_text()
+
+
+StartSupervisor = Callable[..., Supervisor]
+
+
+@pytest.fixture
+def supervisors(tmp_path: Path) -> Iterator[StartSupervisor]:
+    started: list[Supervisor] = []
+
+    def start(*args: str) -> Supervisor:
+        supervisor = Supervisor(tmp_path / f"launch{len(started)}.log", *args)
+        started.append(supervisor)
+        return supervisor
+
+    yield start
+    for supervisor in started:  # a failed test must not leave a supervisor behind
+        if supervisor.process.poll() is None:
+            supervisor.send(signal.SIGKILL)
+            supervisor.wait()
+
+
+def wait_for(condition: Callable[[], bool], *, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_the_outcome_of_an_exit_code() -> None:
+    assert classify(0) is Outcome.SUCCEEDED
+    assert classify(143) is Outcome.PREEMPTED
+    assert classify(-signal.SIGKILL) is Outcome.PREEMPTED
+    assert classify(-signal.SIGTERM) is Outcome.PREEMPTED
+    assert classify(1) is Outcome.CRASHED
+    assert classify(137) is Outcome.CRASHED  # a code, not a signal: the trainer chose it
+
+
+def test_the_backoff_doubles_up_to_its_cap() -> None:
+    assert [backoff_seconds(n, base=1.0) for n in range(1, 5)] == [1.0, 2.0, 4.0, 8.0]
+    assert backoff_seconds(7, base=1.0) == MAX_BACKOFF_SECONDS
+    assert backoff_seconds(3, base=0.0) == 0.0
+
+
+def test_a_trainer_that_succeeds_runs_once(fake: FakeTrainer) -> None:
+    done = launch("--", *fake.command("0"))
+    assert done.returncode == 0, done.stderr
+    assert len(fake.attempts()) == 1
+    assert "ckpt launch: attempt 1 of 4: " in done.stderr
+    assert "ckpt launch: trainer succeeded" in done.stderr
+
+
+def test_a_preempted_then_crashed_trainer_is_restarted_until_it_succeeds(
+    fake: FakeTrainer,
+) -> None:
+    done = launch("--backoff", "0", "--", *fake.command("143,1,0"))
+    assert done.returncode == 0, done.stderr
+    assert len(fake.attempts()) == 3
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ckpt launch: ")]
+    pids = [attempt["pid"] for attempt in fake.attempts()]
+    command = shlex.join(fake.command("143,1,0"))
+    assert lines == [
+        f"ckpt launch: attempt 1 of 4: {command} (pid {pids[0]})",
+        "ckpt launch: trainer exited with 143 (preempted); restarting in 0.0 s (2 restarts left)",
+        f"ckpt launch: attempt 2 of 4: {command} (pid {pids[1]})",
+        "ckpt launch: trainer exited with 1 (crashed); restarting in 0.0 s (1 restart left)",
+        f"ckpt launch: attempt 3 of 4: {command} (pid {pids[2]})",
+        "ckpt launch: trainer succeeded",
+    ]
+
+
+def test_a_trainer_killed_by_sigkill_counts_as_preempted(fake: FakeTrainer) -> None:
+    done = launch("--backoff", "0", "--", *fake.command("kill,0"))
+    assert done.returncode == 0, done.stderr
+    assert len(fake.attempts()) == 2
+    assert "trainer killed by SIGKILL (preempted); restarting" in done.stderr
+
+
+def test_the_restart_budget_ends_with_the_trainers_exit_code(fake: FakeTrainer) -> None:
+    done = launch("--max-restarts", "1", "--backoff", "0", "--", *fake.command("3"))
+    assert done.returncode == 3, done.stderr
+    assert len(fake.attempts()) == 2
+    assert "attempt 2 of 2" in done.stderr
+    assert "trainer exited with 3 (crashed); restart budget spent; exiting with 3" in done.stderr
+
+
+@pytest.mark.parametrize(("plan", "expected"), [("143", 143), ("kill", 137), ("1", 1)])
+def test_max_restarts_0_never_restarts(fake: FakeTrainer, plan: str, expected: int) -> None:
+    done = launch("--max-restarts", "0", "--", *fake.command(plan))
+    assert done.returncode == expected, done.stderr
+    assert len(fake.attempts()) == 1
+    assert f"restart budget spent; exiting with {expected}" in done.stderr
+
+
+def test_the_backoff_doubles_at_each_restart(fake: FakeTrainer) -> None:
+    done = launch("--max-restarts", "3", "--backoff", "0.01", "--", *fake.command("1"))
+    assert done.returncode == 1, done.stderr
+    assert len(fake.attempts()) == 4
+    assert re.findall(r"restarting in ([0-9.]+) s", done.stderr) == ["0.01", "0.02", "0.04"]
+
+
+def test_the_trainer_gets_the_environment_and_its_attempt_number(fake: FakeTrainer) -> None:
+    done = launch("--backoff", "0", "--", *fake.command("1,0"), env={"CKPT_RUN": "launched"})
+    assert done.returncode == 0, done.stderr
+    environments = [attempt["env"] for attempt in fake.attempts()]
+    assert [env["CKPT_LAUNCH_ATTEMPT"] for env in environments] == ["1", "2"]
+    assert [env["CKPT_RUN"] for env in environments] == ["launched", "launched"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_supervisor_is_forwarded_and_nothing_restarts(
+    fake: FakeTrainer, supervisors: StartSupervisor, signum: signal.Signals
+) -> None:
+    supervisor = supervisors("--backoff", "0", "--", *fake.command("wait,0"))
+    wait_for((fake.state / "ready-1").exists, what="the trainer")
+    supervisor.send(signum)
+    assert supervisor.wait() == 143, supervisor.logged()
+    assert fake.received() == signum.name
+    assert len(fake.attempts()) == 1
+    assert f"trainer exited with 143 after {signum.name}; exiting with 143" in supervisor.logged()
+
+
+def test_a_second_sigterm_kills_a_trainer_that_ignores_the_first(
+    fake: FakeTrainer, supervisors: StartSupervisor
+) -> None:
+    supervisor = supervisors("--", *fake.command("deaf"))
+    wait_for((fake.state / "ready-1").exists, what="the trainer")
+    supervisor.send(signal.SIGTERM)
+    wait_for(lambda: "forwarding it" in supervisor.logged(), what="the forwarded SIGTERM")
+    supervisor.send(signal.SIGTERM)
+    assert supervisor.wait() == 128 + signal.SIGKILL, supervisor.logged()
+    assert "received SIGTERM again; killing the trainer" in supervisor.logged()
+    assert fake.received() is None
+    assert len(fake.attempts()) == 1
+
+
+def test_a_signal_during_the_backoff_stops_the_supervisor_at_once(
+    fake: FakeTrainer, supervisors: StartSupervisor
+) -> None:
+    supervisor = supervisors("--backoff", "30", "--", *fake.command("1"))
+    wait_for(lambda: "restarting in 30.0 s" in supervisor.logged(), what="the backoff")
+    started = time.monotonic()
+    supervisor.send(signal.SIGTERM)
+    assert supervisor.wait() == 1, supervisor.logged()
+    assert time.monotonic() - started < 10
+    assert "received SIGTERM before attempt 2 started; exiting with 1" in supervisor.logged()
+    assert len(fake.attempts()) == 1
+
+
+def test_the_pid_file_holds_the_live_trainer_and_is_removed_at_the_end(
+    fake: FakeTrainer, supervisors: StartSupervisor, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "trainer.pid"
+    supervisor = supervisors(
+        "--backoff", "0", "--pid-file", str(pid_file), "--", *fake.command("wait")
+    )
+    wait_for((fake.state / "ready-1").exists, what="the first trainer")
+    first = fake.attempts()[0]["pid"]
+    wait_for(lambda: read_pid(pid_file) == first, what="the first trainer's pid")
+    os.kill(first, signal.SIGKILL)  # what the demo's chaos loop does
+    wait_for((fake.state / "ready-2").exists, what="the restarted trainer")
+    second = fake.attempts()[1]["pid"]
+    wait_for(lambda: read_pid(pid_file) == second, what="the restarted trainer's pid")
+    assert second != first
+    supervisor.send(signal.SIGTERM)
+    assert supervisor.wait() == 143, supervisor.logged()
+    assert "trainer killed by SIGKILL (preempted); restarting" in supervisor.logged()
+    assert not pid_file.exists()
+
+
+def read_pid(path: Path) -> int | None:
+    return int(path.read_text()) if path.exists() else None
+
+
+@pytest.mark.parametrize(
+    "args", [[], ["--max-restarts", "1"], ["--"]], ids=["nothing", "options-only", "dash-dash-only"]
+)
+def test_no_command_is_a_usage_error(args: list[str]) -> None:
+    done = launch(*args)
+    assert done.returncode == 2
+    assert "no command to run" in done.stderr
+
+
+def test_a_missing_command_exits_127(tmp_path: Path) -> None:
+    done = launch("--", str(tmp_path / "no-such-trainer"), "--steps", "3")
+    assert done.returncode == 127
+    assert "command not found" in done.stderr
+
+
+def test_ckpt_main_passes_everything_after_the_dash_dash_to_the_trainer(
+    fake: FakeTrainer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    previous = signal.getsignal(signal.SIGINT)
+    code = ckpt(["launch", "--max-restarts", "1", "--backoff", "0", "--", *fake.command("143,0")])
+    assert code == 0
+    assert len(fake.attempts()) == 2
+    assert "attempt 2 of 2" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is previous  # the supervisor's handlers are gone
+    # The trainer's own "--" and options that ckpt launch also has reach it untouched.
+    check = "import sys; sys.exit(0 if sys.argv[1:] == ['--', '--max-restarts', '9'] else 5)"
+    assert ckpt(["launch", "--", sys.executable, "-c", check, "--", "--max-restarts", "9"]) == 0
+
+
+@pytest.mark.slow
+def test_the_demo_trainer_killed_under_launch_resumes_bit_exactly(tmp_path: Path) -> None:
+    train = ("--steps", "30", "--total-steps", "30", "--every", "5")
+    reference = run_trainer(tmp_path / "reference", tmp_path / "reference.pt", *train)
+    store, out, pid_file = tmp_path / "store", tmp_path / "launched.pt", tmp_path / "trainer.pid"
+    supervisor = Supervisor(
+        tmp_path / "launch.log",
+        *("--max-restarts", "2", "--backoff", "0", "--pid-file", str(pid_file), "--"),
+        *(sys.executable, "-m", "agent.demo.train", "--store", str(store), "--run", "launched"),
+        *("--out", str(out), *train),
+    )
+    try:
+        bundles = store / "runs" / "launched" / "bundles"
+        wait_for(lambda: any(bundles.glob("*/manifest.json")), what="a bundle", timeout=60)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        assert supervisor.wait(timeout=120) == 0, supervisor.logged()
+    finally:
+        if supervisor.process.poll() is None:
+            supervisor.process.kill()
+            supervisor.process.wait()
+    assert "trainer killed by SIGKILL (preempted)" in supervisor.logged()
+    assert "attempt 2 of 3" in supervisor.logged()
+    resumed = torch.load(out, weights_only=True)
+    assert resumed["positions"][0] >= (5, 1)  # it resumed from a bundle
+    assert differences(reference, resumed) == []
