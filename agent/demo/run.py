@@ -221,7 +221,10 @@ def _train_with_chaos(
 
 def _await_restart(pid_file: Path, launch: subprocess.Popen[bytes]) -> None:
     """Until ``ckpt launch`` has started the next attempt (or ended)."""
-    before = pid_file.read_text()
+    try:
+        before = pid_file.read_text()
+    except OSError:
+        return
     while launch.poll() is None:
         with suppress(OSError):
             if pid_file.read_text() != before:
