@@ -15,6 +15,7 @@ the same way.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import socket
@@ -77,7 +78,8 @@ class Preemption:
         if current != self._pipe[1].fileno():
             signal.set_wakeup_fd(current)  # it changed hands: put it back
         elif self._previous_fd is not None and self._previous_fd >= 0:
-            signal.set_wakeup_fd(self._previous_fd)
+            with contextlib.suppress(OSError, ValueError):  # its owner may have closed it
+                signal.set_wakeup_fd(self._previous_fd)
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)

@@ -1,5 +1,5 @@
 """The FastAPI application: routers, the one error handler, body limits, metrics, and the
-periodic garbage-collection task."""
+periodic tasks: garbage collection and marking lost attempts."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from service.errors import InvalidRequestError, PayloadTooLargeError, ServiceErr
 from service.gc import service as gc
 from service.gc.endpoints import router as gc_router
 from service.health import router as health_router
+from service.runs import service as runs
 from service.runs.endpoints import router as runs_router
 from service.settings import Settings, embedded_admin_token
 
@@ -44,19 +45,22 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
-        task = None
+        periodic: list[tuple[str, Callable[[Context], object], float]] = [
+            ("marking lost attempts", runs.mark_lost, settings.lost_check_seconds)
+        ]
         if settings.gc_interval_seconds > 0:
-            task = asyncio.create_task(
-                _collect_periodically(context, settings.gc_interval_seconds, stop)
-            )
+            periodic.append(("garbage collection", gc.collect, settings.gc_interval_seconds))
+        tasks = [
+            asyncio.create_task(_periodically(what, work, context, interval=every, stop=stop))
+            for what, work, every in periodic
+        ]
         try:
             yield
         finally:
             # Let a pass in flight finish: its thread would outlive a cancelled task and
             # keep using the database after the app is gone.
             stop.set()
-            if task is not None:
-                await task
+            await asyncio.gather(*tasks)
 
     app = FastAPI(
         title="ckpt control plane",
@@ -74,16 +78,24 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     return app
 
 
-async def _collect_periodically(context: Context, interval: float, stop: asyncio.Event) -> None:
+async def _periodically(
+    what: str,
+    work: Callable[[Context], object],
+    context: Context,
+    *,
+    interval: float,
+    stop: asyncio.Event,
+) -> None:
+    """Run ``work(context)`` in a worker thread every ``interval`` seconds until ``stop``."""
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=interval)
         if stop.is_set():
             return
         try:
-            await run_in_threadpool(gc.collect, context)
+            await run_in_threadpool(work, context)
         except Exception:  # keep the server up; the next pass tries again
-            log.exception("periodic garbage collection failed")
+            log.exception("periodic %s failed", what)
 
 
 def _handle_errors(app: FastAPI) -> None:

@@ -5,6 +5,10 @@ Pure functions over a snapshot of the run's bundles; no I/O.
 Every bundle points at its parent: the previous bundle of its attempt, or the bundle the
 attempt resumed from. A rollback makes an older bundle the head, so the next attempt's
 bundles grow a second child under it: a fork. The live branch is the head and its ancestors.
+
+Attempts follow one another by epoch. When one ends other than finished, its successor
+repeats the steps between the bundle it resumes from and the last step the ended attempt
+reported: the steps that ending lost.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from service.models import BundleStatus
+from service.models import BundleStatus, EndReason
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,15 @@ class Node:
     status: str
     parent_id: int | None
     attempt_id: int | None
+
+
+@dataclass(frozen=True)
+class AttemptNode:
+    id: int
+    epoch: int
+    last_step: int | None  # the last step it reported (heartbeat or end)
+    end_reason: str | None  # None while it runs
+    resumed_step: int | None  # the step of the bundle it resumed from; None: a fresh start
 
 
 # A snapshot of the run's bundles, or a function that looks one up (the catalog does, so
@@ -80,3 +93,27 @@ def children(nodes: Iterable[Node]) -> dict[int, list[int]]:
 def forks(nodes: Iterable[Node]) -> list[int]:
     """Bundles with more than one child: where a rollback (or a lost save) split the run."""
     return sorted(parent for parent, kids in children(nodes).items() if len(kids) > 1)
+
+
+def steps_lost(attempt: AttemptNode, successor: AttemptNode | None) -> int | None:
+    """The steps of ``attempt`` that ``successor`` (the run's next attempt) trains again: its
+    last reported step minus the step the successor resumed from (0 for a fresh start).
+
+    None while unknown: the attempt has not ended or reported a step, or no successor has
+    registered yet; and for a finished attempt, which loses nothing.
+    """
+    if attempt.end_reason in (None, EndReason.FINISHED) or attempt.last_step is None:
+        return None
+    if successor is None:
+        return None
+    assert successor.epoch > attempt.epoch, "a successor comes after the attempt"
+    return max(0, attempt.last_step - (successor.resumed_step or 0))
+
+
+def steps_lost_by_attempt(attempts: Iterable[AttemptNode]) -> dict[int, int | None]:
+    """``steps_lost`` of each of a run's attempts, by attempt id."""
+    ordered = sorted(attempts, key=lambda a: a.epoch)
+    return {
+        attempt.id: steps_lost(attempt, ordered[i + 1] if i + 1 < len(ordered) else None)
+        for i, attempt in enumerate(ordered)
+    }

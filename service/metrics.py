@@ -29,6 +29,16 @@ class Metrics:
         self.attempts = Counter(
             "ckpt_attempts_registered", "attempts registered", registry=self.registry
         )
+        self.attempts_lost = Counter(
+            "ckpt_attempts_lost",
+            "attempts marked lost: no heartbeat for CKPT_LOST_AFTER_SECONDS",
+            registry=self.registry,
+        )
+        self.steps_lost = Counter(
+            "ckpt_steps_lost",
+            "steps that ended attempts had trained past the bundle their successor resumed from",
+            registry=self.registry,
+        )
         self.committed = Counter(
             "ckpt_bundles_committed", "bundles that became complete", registry=self.registry
         )

@@ -77,6 +77,9 @@ class EndReason(enum.StrEnum):
     FINISHED = "finished"
     PREEMPTED = "preempted"
     FAILED = "failed"
+    # The service's verdict, never reported: the heartbeats lapsed. The attempt may still
+    # report its real end (a zombie, a partition), which replaces it.
+    LOST = "lost"
 
 
 class Role(enum.StrEnum):

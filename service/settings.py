@@ -40,6 +40,10 @@ class Settings:
         keep_last, keep_every: the retention policy of runs that set none (``CKPT_KEEP_LAST``,
             ``CKPT_KEEP_EVERY``); unset keeps every complete bundle.
         max_body_bytes: larger request bodies get 413 (``CKPT_MAX_BODY_BYTES``, default 16 MiB).
+        lost_after_seconds: an attempt that has not ended and sent no heartbeat for this long
+            (since it registered, if it never did) is marked lost (``CKPT_LOST_AFTER_SECONDS``,
+            default 60; agents heartbeat every 10 s). The server checks every
+            ``lost_check_seconds``.
     """
 
     database_url: str = "sqlite:///.ckpt/catalog.db"
@@ -55,12 +59,18 @@ class Settings:
     keep_last: int | None = None
     keep_every: int | None = None
     max_body_bytes: int = 16 << 20
+    lost_after_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("gc_interval_seconds", "pending_ttl_seconds", "blob_grace_seconds"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value}")
+        if not (self.lost_after_seconds > 0 and math.isfinite(self.lost_after_seconds)):
+            raise ValueError(
+                "lost_after_seconds must be a positive number of seconds (several heartbeat "
+                f"intervals), got {self.lost_after_seconds}"
+            )
         for name in ("keep_last", "keep_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -76,6 +86,12 @@ class Settings:
     def embedded(self) -> bool:
         """Whether the catalog is a SQLite file (one process owns it)."""
         return self.database_url.startswith("sqlite")
+
+    @property
+    def lost_check_seconds(self) -> float:
+        """How often the server looks for lost attempts: often enough that one is marked
+        at most half a ``lost_after_seconds`` late, and at least every 30 s."""
+        return min(30.0, self.lost_after_seconds / 2)
 
     @property
     def migrate_at_start(self) -> bool:

@@ -73,7 +73,8 @@ def register_attempt(
 def heartbeat(
     attempt: IdPath, beat: Heartbeat, principal: PrincipalDep, context: ContextDep
 ) -> AttemptOut:
-    """Report that the attempt is alive (and its step); 409 once it is fenced."""
+    """Report that the attempt is alive (and its step); 409 once it is fenced. An attempt
+    marked lost that heartbeats again is alive again."""
     return service.heartbeat(context, principal, attempt_id=attempt, beat=beat)
 
 
@@ -81,7 +82,8 @@ def heartbeat(
 def end_attempt(
     attempt: IdPath, end: AttemptEnd, principal: PrincipalDep, context: ContextDep
 ) -> AttemptOut:
-    """Record how the attempt ended: finished, preempted or failed."""
+    """Record how the attempt ended: finished, preempted or failed (replacing "lost", the
+    service's verdict on an attempt whose heartbeats lapsed)."""
     return service.end_attempt(context, principal, attempt_id=attempt, end=end)
 
 

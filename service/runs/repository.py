@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.models import Attempt, Bundle, Rollback, Run, utcnow
+from service.lineage import AttemptNode
+from service.models import Attempt, Bundle, EndReason, Rollback, Run, utcnow
 from service.sql import Lock, insert, locked
 
 
@@ -78,6 +81,65 @@ def run_attempts(session: Session, *, run_id: int) -> list[Attempt]:
     return list(
         session.scalars(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.epoch))
     )
+
+
+def next_attempt(session: Session, *, run_id: int, epoch: int) -> Attempt | None:
+    """The run's attempt that registered after the one at ``epoch``."""
+    return session.scalar(
+        select(Attempt)
+        .where(Attempt.run_id == run_id, Attempt.epoch > epoch)
+        .order_by(Attempt.epoch)
+        .limit(1)
+    )
+
+
+def last_attempt(session: Session, *, run_id: int) -> Attempt | None:
+    return session.scalar(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.epoch.desc()).limit(1)
+    )
+
+
+def attempt_nodes(session: Session, *, run_id: int) -> list[AttemptNode]:
+    """The run's attempts with the step each resumed from: what steps lost are made of."""
+    rows = session.execute(
+        select(Attempt.id, Attempt.epoch, Attempt.last_step, Attempt.end_reason, Bundle.step)
+        .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
+        .where(Attempt.run_id == run_id)
+    )
+    return [
+        AttemptNode(id=id_, epoch=epoch, last_step=last_step, end_reason=reason, resumed_step=step)
+        for id_, epoch, last_step, reason, step in rows
+    ]
+
+
+def mark_lost(session: Session, *, silent_since: datetime, now: datetime) -> list[Attempt]:
+    """End as lost, at ``now``, every attempt not ended whose last heartbeat (or, without one,
+    its registration) is older than ``silent_since``; returns them.
+
+    Locks as heartbeats and ends do, runs before attempts: a heartbeat in flight either
+    commits first (and Postgres re-checks the row, which is then no longer silent) or waits.
+    """
+    last_sign = func.coalesce(Attempt.heartbeat_at, Attempt.started_at)
+    silent = (Attempt.ended_at.is_(None), last_sign < silent_since)
+    run_ids = list(
+        session.scalars(select(Attempt.run_id).where(*silent).distinct().order_by(Attempt.run_id))
+    )
+    if not run_ids:
+        return []
+    session.execute(locked(select(Run.id).where(Run.id.in_(run_ids)).order_by(Run.id), Lock.SHARE))
+    lost = list(
+        session.scalars(
+            locked(
+                select(Attempt).where(*silent, Attempt.run_id.in_(run_ids)).order_by(Attempt.id),
+                Lock.NO_KEY_UPDATE,
+            )
+        )
+    )
+    for attempt in lost:
+        attempt.ended_at = now
+        attempt.end_reason = EndReason.LOST
+    session.flush()
+    return lost
 
 
 def run_bundles(session: Session, *, run_id: int) -> list[Bundle]:

@@ -1,16 +1,17 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.contract import Manifest
-from service.models import EndReason
 from service.names import PRINTABLE, Id, RunName, Step
 
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=PRINTABLE)]
+# How an attempt says it ended (an EndReason); "lost" is the service's verdict, never reported.
+ReportedEnd = Literal["finished", "preempted", "failed"]
 
 
 class _Request(BaseModel):
@@ -45,6 +46,9 @@ class RunOut(BaseModel):
     keep_last: int | None
     keep_every: int | None
     num_bundles: dict[str, int]
+    steps_lost_total: int = Field(
+        description="the sum of the attempts' steps_lost: steps trained again after endings"
+    )
 
 
 class RunPage(BaseModel):
@@ -78,7 +82,7 @@ class Heartbeat(_Request):
 
 
 class AttemptEnd(_Request):
-    reason: EndReason
+    reason: ReportedEnd
     final_save_committed: bool = False
     step: Step | None = None
 
@@ -97,6 +101,10 @@ class AttemptOut(BaseModel):
     final_save_committed: bool | None
     resumed_from_id: int | None
     fenced: bool
+    steps_lost: int | None = Field(
+        description="steps this attempt trained past the bundle its successor resumed from; "
+        "null while it runs, has no successor, reported no step, or finished"
+    )
 
 
 class RollbackRequest(_Request):

@@ -1,9 +1,11 @@
 """Runs and their attempts: registration (with fencing and the resume decision), heartbeats,
-rollback, lineage and the latest-resumable query."""
+lost attempts, steps lost, rollback, lineage and the latest-resumable query."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
@@ -12,8 +14,9 @@ from service.auth.service import Principal, require_read, require_write
 from service.context import Context
 from service.contract import Manifest
 from service.errors import ConflictError, FencedError, NotFoundError
-from service.lineage import Node
-from service.models import Attempt, Bundle, BundleStatus, Role, Run, utcnow
+from service.lineage import AttemptNode, Node
+from service.metrics import Metrics
+from service.models import Attempt, Bundle, BundleStatus, EndReason, Role, Run, utcnow
 from service.runs import repository
 from service.runs.schemas import (
     AttemptCreate,
@@ -36,6 +39,8 @@ from service.runs.schemas import (
     RunPage,
 )
 from service.sql import Lock
+
+log = logging.getLogger("ckpt.runs")
 
 
 def create_run(context: Context, principal: Principal, request: RunCreate) -> RunOut:
@@ -93,6 +98,7 @@ def register_attempt(
         run, _ = repository.ensure_run(session, name=name)
         run.epoch += 1
         start = resumable_bundle(session, run) if request.resume else None
+        previous = repository.last_attempt(session, run_id=run.id)
         attempt = repository.add_attempt(
             session,
             run=run,
@@ -101,6 +107,8 @@ def register_attempt(
             resumed_from_id=start.id if start else None,
         )
         context.metrics.attempts.inc()
+        if previous is not None:  # an ended predecessor's steps lost are known now
+            _count_steps_lost(context.metrics, before=None, after=_steps_lost(session, previous))
         return AttemptRegistered(
             attempt_id=attempt.id,
             run=run.name,
@@ -122,25 +130,57 @@ def heartbeat(
         attempt.heartbeat_at = utcnow()
         if beat.step is not None:
             attempt.last_step = beat.step
-        return attempt_out(attempt, run)
+        if attempt.end_reason == EndReason.LOST:  # it was alive after all (a partition)
+            attempt.ended_at = attempt.end_reason = None
+        # Not fenced, so no successor has registered: nothing is lost yet.
+        return attempt_out(attempt, run, steps_lost=None)
 
 
 def end_attempt(
     context: Context, principal: Principal, *, attempt_id: int, end: AttemptEnd
 ) -> AttemptOut:
-    """Record how an attempt ended (accepted from fenced attempts too: it is history)."""
+    """Record how an attempt ended (accepted from fenced attempts too: it is history). An
+    attempt marked lost that reports its end was alive after all: its report replaces the
+    verdict."""
     with context.transaction() as session:
         attempt, run = _attempt(session, principal, attempt_id)
-        if attempt.ended_at is not None:
+        if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
             if attempt.end_reason == end.reason:
-                return attempt_out(attempt, run)  # a retry
+                return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
             raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
+        before = _steps_lost(session, attempt)
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
         attempt.final_save_committed = end.final_save_committed
         if end.step is not None:
             attempt.last_step = end.step
-        return attempt_out(attempt, run)
+        after = _steps_lost(session, attempt)
+        _count_steps_lost(context.metrics, before=before, after=after)
+        return attempt_out(attempt, run, steps_lost=after)
+
+
+def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
+    """End as lost every attempt that has not ended and whose last heartbeat (or, without
+    one, its registration) is older than ``lost_after_seconds`` at ``now``; one transaction.
+    Returns their ids. The server runs it periodically; tests pass a ``now`` of their own.
+    """
+    now = now or utcnow()
+    silent_since = now - timedelta(seconds=context.settings.lost_after_seconds)
+    with context.transaction() as session:
+        lost = repository.mark_lost(session, silent_since=silent_since, now=now)
+        steps = [_steps_lost(session, attempt) for attempt in lost]
+    context.metrics.attempts_lost.inc(len(lost))
+    for attempt, lost_steps in zip(lost, steps, strict=True):
+        _count_steps_lost(context.metrics, before=None, after=lost_steps)
+        log.warning(
+            "attempt %d (run %d, epoch %d) is lost: no heartbeat for %.0f s (last step %s)",
+            attempt.id,
+            attempt.run_id,
+            attempt.epoch,
+            context.settings.lost_after_seconds,
+            attempt.last_step,
+        )
+    return [attempt.id for attempt in lost]
 
 
 def rollback(
@@ -189,13 +229,15 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
         live = lineage.ancestry(run.head_bundle_id, nodes)
         start = lineage.resumable(run.head_bundle_id, nodes)
         attempts = repository.run_attempts(session, run_id=run.id)
+        steps = {b.id: b.step for b in bundles}
+        lost = lineage.steps_lost_by_attempt(_attempt_node(a, steps.get) for a in attempts)
         return Lineage(
             run=run.name,
             epoch=run.epoch,
             head_id=run.head_bundle_id,
             resumable_id=start.id if start else None,
             live_branch=live,
-            attempts=[attempt_out(a, run) for a in attempts],
+            attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
             bundles=[_lineage_bundle(b, live=b.id in live) for b in bundles],
             parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
             resume_edges=[
@@ -258,10 +300,17 @@ def run_out(session: Session, run: Run) -> RunOut:
         keep_last=run.keep_last,
         keep_every=run.keep_every,
         num_bundles=repository.count_bundles(session, run_id=run.id),
+        steps_lost_total=sum(
+            lost
+            for lost in lineage.steps_lost_by_attempt(
+                repository.attempt_nodes(session, run_id=run.id)
+            ).values()
+            if lost is not None
+        ),
     )
 
 
-def attempt_out(attempt: Attempt, run: Run) -> AttemptOut:
+def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> AttemptOut:
     return AttemptOut(
         id=attempt.id,
         run=run.name,
@@ -276,6 +325,7 @@ def attempt_out(attempt: Attempt, run: Run) -> AttemptOut:
         final_save_committed=attempt.final_save_committed,
         resumed_from_id=attempt.resumed_from_id,
         fenced=attempt.epoch != run.epoch,
+        steps_lost=steps_lost,
     )
 
 
@@ -297,6 +347,38 @@ def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[A
     attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
     assert attempt is not None
     return attempt, run
+
+
+def _steps_lost(session: Session, attempt: Attempt) -> int | None:
+    """The attempt's steps lost, as the catalog stands in this transaction."""
+    successor = repository.next_attempt(session, run_id=attempt.run_id, epoch=attempt.epoch)
+
+    def step_of(bundle_id: int) -> int | None:
+        bundle = session.get(Bundle, bundle_id)
+        return bundle.step if bundle else None
+
+    return lineage.steps_lost(
+        _attempt_node(attempt, step_of),
+        _attempt_node(successor, step_of) if successor else None,
+    )
+
+
+def _attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> AttemptNode:
+    resumed = attempt.resumed_from_id
+    return AttemptNode(
+        id=attempt.id,
+        epoch=attempt.epoch,
+        last_step=attempt.last_step,
+        end_reason=attempt.end_reason,
+        resumed_step=step_of(resumed) if resumed is not None else None,
+    )
+
+
+def _count_steps_lost(metrics: Metrics, *, before: int | None, after: int | None) -> None:
+    """Count what a change made newly known (a lost attempt that reports its end may have
+    reported a later step)."""
+    if after is not None and after > (before or 0):
+        metrics.steps_lost.inc(after - (before or 0))
 
 
 def _ref(bundle: Bundle) -> BundleRef:

@@ -287,8 +287,10 @@ def test_end_is_accepted_from_a_fenced_attempt(server: Server, run_name: str) ->
         attempts = {a["id"]: a for a in lineage["attempts"]}
         assert attempts[a_id]["end_reason"] == "preempted"
         assert attempts[world.b["attempt_id"]]["ended_at"] is None
-        # Ending is history: it does not fence B, move the head or unfence A.
-        assert get_json(client, f"/v1/runs/{run_name}") == run_before
+        # Ending is history: it does not fence B, move the head or unfence A. It does make
+        # A's steps lost known: it reported step 20, B resumed from step 10.
+        assert attempts[a_id]["steps_lost"] == 10
+        assert get_json(client, f"/v1/runs/{run_name}") == {**run_before, "steps_lost_total": 10}
         assert_fenced(commit(client, world.pending_id, world.a["epoch"]))
         b_saved = save(client, server.store, run_name, world.b, step=30)
         assert get_json(client, f"/v1/runs/{run_name}")["head"]["id"] == b_saved["id"]
