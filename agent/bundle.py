@@ -177,14 +177,15 @@ def store_held(store: ObjectStore, verified: set[str]) -> HeldBlobs:
     Every blob's presence and size are checked at each save (something else may have
     deleted it). ``verified`` holds blobs this process wrote or checked: a blob the store
     holds that is not among them is read back and hashed once before it is trusted, so a
-    damaged blob is rewritten rather than referenced again. Blobs answered here (written
-    next, or found intact) join ``verified``.
+    damaged blob is rewritten rather than referenced again. Blobs found intact join
+    ``verified``; the caller adds those it writes once their writes succeed.
     """
 
     def held(blobs: list[BlobRef]) -> set[str]:
         intact = _parallel(lambda blob: _stored_intact(store, blob, verified), blobs)
-        verified.update(blob.sha256 for blob in blobs)
-        return {blob.sha256 for blob, ok in zip(blobs, intact, strict=True) if ok}
+        found = {blob.sha256 for blob, ok in zip(blobs, intact, strict=True) if ok}
+        verified.update(found)
+        return found
 
     return held
 

@@ -184,6 +184,13 @@ class PendingSave:
         return f"<PendingSave {self.bundle} {state}>"
 
 
+def _exit_now(code: int) -> NoReturn:
+    """Leave without waiting for threads (an upload that can no longer finish in time)."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(code)
+
+
 def _pod_name() -> str:
     """``CKPT_POD`` (the hostname by default), with ``/CKPT_POD_UID`` when set: a recreated
     pod may reuse its name, never its UID."""
@@ -644,10 +651,15 @@ class Checkpointer:
             StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``),
                 unless ``PendingSave.wait`` already raised that failure.
         """
-        pending, self._in_flight = self._in_flight, None
+        pending = self._in_flight
         if pending is None or pending.raised:
+            self._in_flight = None
             return None
-        return pending.wait()
+        try:
+            return pending.wait()
+        finally:
+            if pending.done():  # not when interrupted: its buffers are still in use
+                self._in_flight = None
 
     def _settle(self, *, block: bool) -> bool:
         """Whether a new save may stage now: none in flight, or (``block``) it has ended."""
@@ -795,6 +807,7 @@ class Checkpointer:
     ) -> Manifest:
         held = store_held(self.store, self._verified)
         records = self._upload(states, stats, held, hashes, progress)
+        self._verified.update(b.sha256 for record in records.values() for b in record.blobs)
         return commit_bundle(
             self.store,
             run=self.config.run,
@@ -936,10 +949,13 @@ class Checkpointer:
         end the attempt as preempted, exit."""
         signum = self._preemption.signum
         assert signum is not None
+        finished = False
         try:
-            if self._finish_in_flight() and self._position() != self._durable_at:
-                self._emergency_save()
+            finished = self._finish_in_flight()
+            if finished and self._position() != self._durable_at:
+                finished = self._emergency_save()
         finally:
+            self._preemption.settle()  # from here on the exit is this thread's
             committed = self._durable_at == self._position()
             try:
                 self._end(
@@ -947,7 +963,6 @@ class Checkpointer:
                 )
             except CkptError as err:
                 log.error("run %s: could not end the attempt: %s", self.config.run, err)
-            self._preemption.settle()
         log.warning(
             "run %s: preempted by %s at step %d; %s; exiting with %d",
             self.config.run,
@@ -956,6 +971,8 @@ class Checkpointer:
             "this position is saved" if committed else f"the last bundle is at {self._durable_at}",
             128 + signum,
         )
+        if not finished:  # an upload still runs: the interpreter's exit would wait for it
+            _exit_now(128 + signum)
         raise SystemExit(128 + signum)
 
     def _finish_in_flight(self) -> bool:
@@ -975,7 +992,8 @@ class Checkpointer:
         self._in_flight = None
         return True
 
-    def _emergency_save(self) -> None:
+    def _emergency_save(self) -> bool:
+        """Save once more if the last measured save fits; False when it ran out of time."""
         estimate, left = self._save_seconds, self._budget()
         if estimate is None or estimate > left:
             known = (
@@ -987,13 +1005,15 @@ class Checkpointer:
                 known,
                 left,
             )
-            return
+            return True
         try:
             self.save().wait(timeout=max(self._budget(), 0.0))
         except TimeoutError:
             log.error("run %s: the emergency save did not finish in time", self.config.run)
+            return False
         except CkptError as err:
             log.error("run %s: the emergency save failed: %s", self.config.run, err)
+        return True
 
     def _deadline_passed(self) -> None:
         """The grace period is nearly over and the loop reached no step boundary (it is in
@@ -1010,9 +1030,7 @@ class Checkpointer:
         except CkptError as err:
             log.error("run %s: could not end the attempt: %s", self.config.run, err)
         with self._exit_lock:
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(128 + signum)
+            _exit_now(128 + signum)
 
     def __enter__(self) -> Checkpointer:
         return self

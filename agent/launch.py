@@ -183,7 +183,10 @@ class _Trainer:
         if self.stopped_by is None:
             self.stopped_by = signum
             _log(f"received {signum.name}; forwarding it to the trainer (pid {pid})")
-            self._signal_group(signum)
+            # The trainer alone: its data-loader workers would die of it, and the trainer
+            # would crash on their deaths instead of saving.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signum)
         else:
             _log(f"received {signum.name} again; killing the trainer (pid {pid})")
             self._signal_group(signal.SIGKILL)

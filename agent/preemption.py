@@ -45,6 +45,8 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._previous_fd: int | None = None
         self._pipe: tuple[socket.socket, socket.socket] | None = None
+        self._interrupts = 0
+        self._closed = False
 
     @property
     def requested(self) -> bool:
@@ -80,9 +82,10 @@ class Preemption:
         elif self._previous_fd is not None and self._previous_fd >= 0:
             with contextlib.suppress(OSError, ValueError):  # its owner may have closed it
                 signal.set_wakeup_fd(self._previous_fd)
+        self._closed = True
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
-                signal.signal(signum, previous)
+                signal.signal(signum, _live(previous, signum))
         for end in self._pipe:
             end.close()
         self._pipe = None
@@ -92,9 +95,12 @@ class Preemption:
         self._settled.set()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.requested and not self._settled.is_set():
-            signal.default_int_handler(signum, frame)  # a second Ctrl-C interrupts at once
-        self._note(signum)
+        # The watcher notes every signal (through the wakeup fd); the handler only counts
+        # Ctrl-Cs. It takes no lock and starts no thread: it may run inside either.
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1 and not self._settled.is_set():
+                signal.default_int_handler(signum, frame)  # a second Ctrl-C interrupts
 
     def _watch(self) -> None:
         pipe = self._pipe
@@ -125,3 +131,13 @@ class Preemption:
     def _arm(self) -> None:
         if not self._settled.wait(self.deadline_seconds):
             self._on_deadline()
+
+
+def _live(handler: Any, signum: int) -> Any:
+    """The handler to give a signal back to: past the handlers of closed ``Preemption``s
+    (checkpointers closed out of order) to the one before them."""
+    owner = getattr(handler, "__self__", None)
+    while isinstance(owner, Preemption) and owner._closed:
+        handler = owner._previous.get(signum, signal.SIG_DFL)
+        owner = getattr(handler, "__self__", None)
+    return handler

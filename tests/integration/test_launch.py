@@ -335,3 +335,29 @@ def test_the_demo_trainer_killed_under_launch_resumes_bit_exactly(tmp_path: Path
     resumed = torch.load(out, weights_only=True)
     assert resumed["positions"][0] >= (5, 1)  # it resumed from a bundle
     assert differences(reference, resumed) == []
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_supervisor_lets_the_trainer_save_and_exit_143(tmp_path: Path) -> None:
+    """The signal goes to the trainer alone: its data-loader workers live on, so the trainer
+    saves at its next step boundary instead of crashing on their deaths."""
+    store, pid_file = tmp_path / "store", tmp_path / "trainer.pid"
+    supervisor = Supervisor(
+        tmp_path / "launch.log",
+        *("--max-restarts", "2", "--pid-file", str(pid_file), "--"),
+        *(sys.executable, "-m", "agent.demo.train", "--store", str(store), "--run", "stopped"),
+        *("--out", str(tmp_path / "out.pt"), "--steps", "400", "--every", "5", "--workers", "2"),
+    )
+    try:
+        bundles = store / "runs" / "stopped" / "bundles"
+        wait_for(lambda: any(bundles.glob("*/manifest.json")), what="a bundle", timeout=60)
+        supervisor.send(signal.SIGTERM)
+        assert supervisor.wait(timeout=60) == 143, supervisor.logged()
+    finally:
+        if supervisor.process.poll() is None:
+            supervisor.process.kill()
+            supervisor.process.wait()
+    logged = supervisor.logged()
+    assert "preempted by SIGTERM" in logged  # the agent's own exit, not a crash
+    assert "exited unexpectedly" not in logged
+    assert "attempt 2" not in logged

@@ -128,7 +128,8 @@ def test_sigterm_during_a_slow_upload_waits_for_it_and_saves_again(
 def test_a_save_that_does_not_fit_the_grace_period_keeps_the_last_bundle(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    """Uploads are slow (0.3 s a blob), the grace period is 3 s: the save at step 10 ends
+    """Uploads are slow (1 s a blob, so a save takes 6 s or more: six layers, each storing its
+    blobs in parallel), the grace period is 3 s: the save at step 10 ends
     during a pause, and the measured save time no longer fits after the signal."""
     store = tmp_path / "store"
     first = drill(
@@ -137,9 +138,9 @@ def test_a_save_that_does_not_fit_the_grace_period_keeps_the_last_bundle(
         *STEPS,
         *EVERY,
         "--slow-store",
-        "0.3",
+        "1.0",
         "--pause-at",
-        "13.0:6",
+        "13.0:10",
         "--signal-at",
         "14.1",
         env={"CKPT_GRACE_SECONDS": "3"},

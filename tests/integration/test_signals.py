@@ -1,0 +1,90 @@
+"""The signal plumbing itself, in process: no signal lost, no Ctrl-C turned into an interrupt
+too early, no handler left dangling, no staging buffer reused while it is persisted."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from agent import Checkpointer
+from agent.preemption import Preemption
+from agent.storage import DirectoryStore
+
+
+def preemption() -> Preemption:
+    return Preemption(deadline_seconds=30, on_deadline=lambda: None)
+
+
+def test_a_signal_during_a_long_c_call_is_noted_at_once_and_interrupts_nothing() -> None:
+    """The watcher notes the signal while the main thread is inside one long C call; the
+    first SIGINT must not become a KeyboardInterrupt (only a second one does)."""
+    guard = preemption()
+    assert guard.install()
+    noted_during_call: list[bool] = []
+    try:
+        data = b"x" * (256 << 20)
+
+        def interrupt_then_look() -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            noted_during_call.append(guard.requested)
+
+        threading.Timer(0.02, interrupt_then_look).start()
+        hashlib.sha256(data).hexdigest()  # releases the GIL for ~0.15 s
+        hashlib.sha256(data).hexdigest()
+        for _ in range(1000):  # bytecodes: the Python-level handler runs here
+            pass
+        assert guard.requested and guard.signum == signal.SIGINT
+        assert noted_during_call == [True]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+    finally:
+        guard.uninstall()
+
+
+def test_closing_checkpointers_out_of_order_leaves_no_dead_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    first, second = preemption(), preemption()
+    first.install()
+    second.install()
+    first.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == second._handle  # the live one keeps it
+    second.uninstall()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+class SlowStore(DirectoryStore):
+    def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
+        kept = list(pieces)
+        time.sleep(0.5)
+        super().put(key, kept)
+
+
+def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path) -> None:
+    """Ctrl-C inside wait(): the persist still reads the staging buffers, so the next save
+    must wait for it rather than copy new state into them."""
+    model = nn.Linear(64, 64)
+    ckpt = Checkpointer(run="r", models=model, store=SlowStore(tmp_path), handle_signals=False)
+    first = ckpt.save()
+    threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.wait()
+    assert not first.done()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ckpt.counters.step = 1
+    second = ckpt.save()  # waits for the first persist before staging
+    assert first.done() and first.durable
+    second.wait()
+    ckpt.close()
