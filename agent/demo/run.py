@@ -196,7 +196,7 @@ def _train_with_chaos(
         **os.environ,
         "CKPT_SERVER": url,
         "CKPT_GRACE_SECONDS": str(GRACE_SECONDS),
-        "CKPT_HEARTBEAT_SECONDS": "1",
+        "CKPT_HEARTBEAT_SECONDS": "0.2",  # the chaos loop aims by the steps they report
         **({"CKPT_TOKEN": token} if token else {}),
     }
     # SIGTERM when the live attempt's heartbeats report these steps: spread over the run.
@@ -209,7 +209,7 @@ def _train_with_chaos(
         launch = subprocess.Popen(command, env=env, stdout=log, stderr=log)
         sent = 0
         while launch.poll() is None:
-            time.sleep(0.2)
+            time.sleep(0.1)
             if sent < len(targets) and _preempt_at(targets[sent], client, plan.run, pid_file):
                 sent += 1
                 print(
@@ -245,7 +245,15 @@ def _preempt_at(step: int, client: httpx.Client, run: str, pid_file: Path) -> bo
 def _facts(url: str, token: str | None, run: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
-        lineage = client.get(f"/v1/runs/{run}/lineage").raise_for_status().json()
+        # The SIGKILLed attempt never says goodbye: give the server's sweep the time to mark
+        # it lost (5 s without heartbeats, checked every 2.5 s).
+        deadline = time.monotonic() + 10
+        while True:
+            lineage = client.get(f"/v1/runs/{run}/lineage").raise_for_status().json()
+            silent = [a for a in lineage["attempts"][:-1] if a["ended_at"] is None]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         complete = [b for b in lineage["bundles"] if b["status"] == "complete"]
         saves = [
             save
