@@ -14,8 +14,8 @@ How each attempt ends decides what comes next:
   Both are restarted after a backoff (``--backoff``, default 1 s, doubled at each restart,
   at most 60 s) while restarts remain (``--max-restarts``, default 3; 0 never restarts).
 - SIGTERM or SIGINT to the supervisor: the machine is going away. The signal is forwarded
-  to the trainer's process group, the trainer is not restarted, and a second SIGTERM or
-  SIGINT kills it (SIGKILL). During a backoff the supervisor stops at once. SIGHUP is
+  to the trainer alone (its data-loader workers would die of it), the trainer is not
+  restarted, and a second SIGTERM or SIGINT kills its process group (SIGKILL). During a backoff the supervisor stops at once. SIGHUP is
   ignored.
 
 Exit codes:
