@@ -68,6 +68,8 @@ from service.contract import (
 log = logging.getLogger("ckpt")
 
 T = TypeVar("T")
+# Hash and store every layer's blobs, asking ``HeldBlobs`` which the store already holds.
+Upload = Callable[[HeldBlobs], dict[Layer, LayerRecord]]
 
 _CAPTURE: dict[Layer, Callable[[TrainingObjects], layers.State]] = {
     Layer.WEIGHTS: layers.capture_weights,
@@ -719,11 +721,28 @@ class Checkpointer:
         stats = WriteStats()
         hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
         progress = Progress(f"ckpt: saving {name}", sum(t.nbytes for t in staged.tensors.values()))
+
+        def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
+            stats.seen.clear()  # a second round uploads the blobs that vanished again
+            stats.payload_bytes = 0
+            return {
+                layer: upload_layer(
+                    self.store,
+                    state,
+                    blob_bytes=self.config.blob_bytes,
+                    stats=stats,
+                    held=held,
+                    hashes=hashes,
+                    progress=progress.advance,
+                )
+                for layer, state in states.items()
+            }
+
         try:
             manifest = (
-                self._persist_store_only(states, stats, hashes, progress, step=step)
+                self._persist_store_only(upload, step=step)
                 if self.control is None
-                else self._persist_with_control_plane(states, stats, hashes, progress, step=step)
+                else self._persist_with_control_plane(upload, step=step)
             )
         except Exception:
             log.exception("run %s: saving %s failed", self.config.run, name)
@@ -775,38 +794,8 @@ class Checkpointer:
                 err,
             )
 
-    def _upload(
-        self,
-        states: Mapping[Layer, LayerState],
-        stats: WriteStats,
-        held: HeldBlobs,
-        hashes: BlobHashes,
-        progress: Progress,
-    ) -> dict[Layer, LayerRecord]:
-        return {
-            layer: upload_layer(
-                self.store,
-                state,
-                blob_bytes=self.config.blob_bytes,
-                stats=stats,
-                held=held,
-                hashes=hashes,
-                progress=progress.advance,
-            )
-            for layer, state in states.items()
-        }
-
-    def _persist_store_only(
-        self,
-        states: Mapping[Layer, LayerState],
-        stats: WriteStats,
-        hashes: BlobHashes,
-        progress: Progress,
-        *,
-        step: int,
-    ) -> Manifest:
-        held = store_held(self.store, self._verified)
-        records = self._upload(states, stats, held, hashes, progress)
+    def _persist_store_only(self, upload: Upload, *, step: int) -> Manifest:
+        records = upload(store_held(self.store, self._verified))
         self._verified.update(b.sha256 for record in records.values() for b in record.blobs)
         return commit_bundle(
             self.store,
@@ -816,15 +805,7 @@ class Checkpointer:
             ranks={self.rank: records},
         )
 
-    def _persist_with_control_plane(
-        self,
-        states: Mapping[Layer, LayerState],
-        stats: WriteStats,
-        hashes: BlobHashes,
-        progress: Progress,
-        *,
-        step: int,
-    ) -> Manifest:
+    def _persist_with_control_plane(self, upload: Upload, *, step: int) -> Manifest:
         """Persist through the control plane: one bundle per attempt and step."""
         control = self.control
         assert control is not None
@@ -840,12 +821,6 @@ class Checkpointer:
                 step,
             )
             return self._committed[step]
-
-        def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
-            stats.seen.clear()  # a second round uploads the blobs that vanished again
-            stats.payload_bytes = 0
-            return self._upload(states, stats, held, hashes, progress)
-
         self._committed[step] = manifest = self._persist_bundle(control, attempt, step, upload)
         return manifest
 
@@ -854,7 +829,7 @@ class Checkpointer:
         control: ControlPlane,
         attempt: Registration,
         step: int,
-        upload: Callable[[HeldBlobs], dict[Layer, LayerRecord]],
+        upload: Upload,
     ) -> Manifest:
         """Open, upload what the store lacks, record every layer, commit. A commit that finds
         blobs gone (collected while this save deduplicated against them) uploads them again."""

@@ -64,14 +64,22 @@ def ckpt_server(
         "CKPT_GC_INTERVAL_SECONDS": "0",
     }
     command = [sys.executable, "-m", "service.cli", "server", "--port", str(port)]
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            command, env=environment, cwd=root, stdout=out, stderr=subprocess.STDOUT
-        )
     url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, process, log)
+    with serving(command, env=environment, cwd=root, log=log, url=url):
         yield ServerProcess(url=url, token=TOKEN, store=store, log=log)
+
+
+@contextmanager
+def serving(
+    command: list[str], *, env: dict[str, str], cwd: Path, log: Path, url: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``command`` as a process logging to ``log``, once ``url``'s ``/readyz`` answers 200;
+    terminated (killed if need be) on exit."""
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(url, process, log, what=" ".join(command))
+        yield process
     finally:
         process.terminate()
         try:
@@ -81,15 +89,15 @@ def ckpt_server(
             process.wait()
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, *, what: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"ckpt server exited {process.returncode}:\n{log.read_text()}")
+            raise RuntimeError(f"{what} exited {process.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"ckpt server did not become ready:\n{log.read_text()}")
+    raise RuntimeError(f"{what} did not become ready in 60 s:\n{log.read_text()}")

@@ -58,6 +58,8 @@ class RecordedLayer(Part):
 class SaveOut(BaseModel):
     """One rank's save figures (see ``service.contract.SaveFigures``) and when they came."""
 
+    model_config = ConfigDict(from_attributes=True)  # built from a ``Save`` row
+
     rank: int
     stall_seconds: float
     persist_seconds: float

@@ -58,7 +58,7 @@ from service.errors import (
     StoreUnavailableError,
 )
 from service.metrics import Metrics
-from service.models import Attempt, Bundle, BundleStatus, Run, Save, utcnow
+from service.models import Attempt, Bundle, BundleStatus, Run, utcnow
 from service.runs import repository as runs_repository
 from service.runs.service import catalog_nodes, node
 from service.sql import Lock
@@ -261,7 +261,7 @@ def report_save(
         )
         saved = repository.get_save(session, bundle_id=bundle.id, rank=rank)
         assert saved is not None
-        out = _save_out(saved)
+        out = SaveOut.model_validate(saved)
     if new:  # only once committed: a report that failed is sent again
         _count_save(context.metrics, figures)
     return out
@@ -293,18 +293,9 @@ def bundle_out(session: Session, bundle: Bundle, run: Run) -> BundleOut:
         ],
         missing_layers=completeness.missing_layers(world_size=bundle.world_size, recorded=recorded),
         manifest=Manifest.model_validate(bundle.manifest) if bundle.manifest else None,
-        saves=[_save_out(row) for row in repository.saves_of(session, bundle_id=bundle.id)],
-    )
-
-
-def _save_out(row: Save) -> SaveOut:
-    return SaveOut(
-        rank=row.rank,
-        stall_seconds=row.stall_seconds,
-        persist_seconds=row.persist_seconds,
-        payload_bytes=row.payload_bytes,
-        new_bytes=row.new_bytes,
-        reported_at=row.reported_at,
+        saves=[
+            SaveOut.model_validate(row) for row in repository.saves_of(session, bundle_id=bundle.id)
+        ],
     )
 
 

@@ -11,7 +11,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 import tomllib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ import pytest
 import yaml  # type: ignore[import-untyped, unused-ignore]
 
 from tests.deploy.common import PORT, ROOT, UID, unknown
+from tests.server_process import serving
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
@@ -243,30 +243,5 @@ def test_the_compose_configuration_trains_through_the_control_plane(
 def started(command: list[str], env: dict[str, str], log: Path) -> Iterator[str]:
     """A compose service's command as a process; yields its URL once ``/readyz`` is 200."""
     url = f"http://{env['CKPT_HOST']}:{env['CKPT_PORT']}"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            command, env=env, cwd=log.parent, stdout=out, stderr=subprocess.STDOUT
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while not _ready(url):
-            if process.poll() is not None:
-                pytest.fail(f"{command} exited {process.returncode}:\n{log.read_text()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{command} was not ready in 60 s:\n{log.read_text()}")
-            time.sleep(0.1)
+    with serving(command, env=env, cwd=log.parent, log=log, url=url):
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/readyz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
