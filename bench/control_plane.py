@@ -31,7 +31,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.storage import DirectoryStore
+from ckpt.core.storage import DirectoryStore
 from tests.server_process import ckpt_server
 from tests.service.helpers import register, save
 

@@ -44,10 +44,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agent import Checkpointer
-from agent.bundle import _IO_THREADS, latest_manifest
-from agent.format.payload import tensor_bytes
-from agent.storage import ObjectStore, keys, open_store
+from ckpt import Checkpointer
+from ckpt.agent.format.payload import tensor_bytes
+from ckpt.agent.manifests import latest_manifest
+from ckpt.agent.threads import IO_THREADS
+from ckpt.core.storage import ObjectStore, keys, open_store
 
 GB = 1e9
 
@@ -195,7 +196,7 @@ def raw_download(read: Callable[[str, int], None], blobs: list[tuple[str, int]])
     """Every blob, on as many threads as a restore uses, into fresh memory, unverified."""
 
     def download() -> None:
-        with ThreadPoolExecutor(_IO_THREADS) as pool:
+        with ThreadPoolExecutor(IO_THREADS) as pool:
             list(pool.map(lambda blob: read(*blob), blobs))
 
     return seconds(download)
@@ -363,7 +364,7 @@ def bench_store(kind: str, args: Any, work: Path, rows: list[Row], tensors_of: A
     else:
         with s3_endpoint(args, work) as endpoint:
             os.environ["CKPT_S3_ENDPOINT"] = endpoint
-            from agent.storage.s3 import S3ObjectStore
+            from ckpt.core.storage.s3 import S3ObjectStore
 
             bucket = f"bench-{uuid.uuid4().hex[:8]}"
             store = S3ObjectStore(f"s3://{bucket}/ckpt", endpoint_url=endpoint)

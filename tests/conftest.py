@@ -24,7 +24,7 @@ def run_trainer(
     command = [
         sys.executable,
         "-m",
-        "agent.demo.train",
+        "ckpt.agent.demo.train",
         "--store",
         str(store),
         "--out",

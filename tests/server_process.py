@@ -63,7 +63,7 @@ def ckpt_server(
         "CKPT_AUTO_MIGRATE": "1",
         "CKPT_GC_INTERVAL_SECONDS": "0",
     }
-    command = [sys.executable, "-m", "service.cli", "server", "--port", str(port)]
+    command = [sys.executable, "-m", "ckpt", "server", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     with serving(command, env=environment, cwd=root, log=log, url=url):
         yield ServerProcess(url=url, token=TOKEN, store=store, log=log)

@@ -103,11 +103,11 @@ def bucket_created_by_minio_init() -> str:
 
 
 def test_the_trainer_command_is_one_the_demo_accepts() -> None:
-    from agent.demo.train import parse_args
+    from ckpt.agent.demo.train import parse_args
 
     env = SERVICES["trainer"]["environment"]
     argv = shell_words(SERVICES["trainer"]["command"], env)
-    assert argv[:4] == ["exec", "python", "-m", "agent.demo.train"]
+    assert argv[:4] == ["exec", "python", "-m", "ckpt.agent.demo.train"]
     args = parse_args(argv[4:])
     assert (args.run, args.store, args.every) == (env["CKPT_RUN"], env["CKPT_STORE"], 10)
 

@@ -17,7 +17,7 @@ import kubernetes_validate  # type: ignore[import-untyped, unused-ignore]
 import pytest
 import yaml  # type: ignore[import-untyped, unused-ignore]
 
-from service.settings import DEFAULT_PORT
+from ckpt.service.settings import DEFAULT_PORT
 from tests.deploy.common import PORT, ROOT, UID, unknown
 
 DEPLOY = ROOT / "deploy"
@@ -337,18 +337,18 @@ def test_the_trainer_is_wired_through_the_downward_api(directory: str) -> None:
         config["CKPT_SERVER"] == f"http://ckpt-control-plane.{namespace}.svc.cluster.local:{PORT}"
     )
     # The Job's name is a valid run name (it becomes CKPT_RUN).
-    from agent.storage.keys import check_run_name
+    from ckpt.core.storage.keys import check_run_name
 
     check_run_name(job["metadata"]["name"])
 
 
 @pytest.mark.parametrize("directory", TRAINING)
 def test_the_trainer_command_is_one_the_demo_accepts(directory: str) -> None:
-    from agent.demo.train import parse_args
+    from ckpt.agent.demo.train import parse_args
 
     docs = render(directory)
     (trainer,) = pod_spec(one(docs, "Job"))["containers"]
-    assert trainer["command"] == ["python", "-m", "agent.demo.train"]
+    assert trainer["command"] == ["python", "-m", "ckpt.agent.demo.train"]
     expanded = {
         "$(CKPT_RUN)": "a-job",
         "$(CKPT_STORE)": config_map_data(docs, trainer)["CKPT_STORE"],

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer
-from agent.storage import DirectoryStore
+from ckpt import Checkpointer
+from ckpt.core.storage import DirectoryStore
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from agent import Checkpointer, PerSampleRNG, ResumableSampler
-from agent.storage import DirectoryStore
+from ckpt import Checkpointer, PerSampleRNG, ResumableSampler
+from ckpt.core.storage import DirectoryStore
 
 DATASET = TensorDataset(torch.arange(16))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent import (
+from ckpt import (
     BundleExistsError,
     BundleFormatError,
     Checkpointer,
@@ -24,17 +24,13 @@ from agent import (
     StoreError,
     UnrepresentableStateError,
 )
-from agent.bundle import (
-    LayerState,
-    WriteStats,
-    commit_bundle,
-    latest_manifest,
-    store_held,
-    upload_layer,
-)
-from agent.format.skeleton import JSON
-from agent.storage import DirectoryStore, keys
-from service.contract import Layer, Manifest
+from ckpt.agent.capture import LayerState
+from ckpt.agent.catalog.store import store_held
+from ckpt.agent.format.skeleton import JSON
+from ckpt.agent.manifests import latest_manifest, write_manifest
+from ckpt.agent.upload import WriteStats, upload_layer
+from ckpt.core.contract import Layer, Manifest
+from ckpt.core.storage import DirectoryStore, keys
 
 
 class Marker:
@@ -238,7 +234,7 @@ def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str,
         held=store_held(store, set()),
     )
     layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
-    commit_bundle(store, run="integrity", step=5, world_size=1, ranks={0: layers})
+    write_manifest(store, run="integrity", step=5, world_size=1, ranks={0: layers})
     with pytest.raises(BundleFormatError):
         make(store)[0].resume()
     assert not marker.exists()

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from agent.demo.compare import differences
-from agent.launch import MAX_BACKOFF_SECONDS, Outcome, backoff_seconds, classify
-from service.cli import main as ckpt
+from ckpt.agent.demo.compare import differences
+from ckpt.agent.launch import MAX_BACKOFF_SECONDS, Outcome, backoff_seconds, classify
+from ckpt.cli import main as ckpt
 from tests.conftest import run_trainer
 
 # The console script pip installed beside this interpreter.
@@ -318,7 +318,15 @@ def test_the_demo_trainer_killed_under_launch_resumes_bit_exactly(tmp_path: Path
     supervisor = Supervisor(
         tmp_path / "launch.log",
         *("--max-restarts", "2", "--backoff", "0", "--pid-file", str(pid_file), "--"),
-        *(sys.executable, "-m", "agent.demo.train", "--store", str(store), "--run", "launched"),
+        *(
+            sys.executable,
+            "-m",
+            "ckpt.agent.demo.train",
+            "--store",
+            str(store),
+            "--run",
+            "launched",
+        ),
         *("--out", str(out), *train),
     )
     try:
@@ -345,7 +353,7 @@ def test_sigterm_to_the_supervisor_lets_the_trainer_save_and_exit_143(tmp_path: 
     supervisor = Supervisor(
         tmp_path / "launch.log",
         *("--max-restarts", "2", "--pid-file", str(pid_file), "--"),
-        *(sys.executable, "-m", "agent.demo.train", "--store", str(store), "--run", "stopped"),
+        *(sys.executable, "-m", "ckpt.agent.demo.train", "--store", str(store), "--run", "stopped"),
         *("--out", str(tmp_path / "out.pt"), "--steps", "400", "--every", "5", "--workers", "2"),
     )
     try:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer, StoreError
-from agent.storage import keys
-from agent.storage.s3 import S3ObjectStore
+from ckpt import Checkpointer, StoreError
+from ckpt.core.storage import keys
+from ckpt.core.storage.s3 import S3ObjectStore
 from tests.fault_proxy import FaultProxy, Faults
 from tests.s3_server import S3Server, aws_environment, moto_server
 

@@ -21,11 +21,11 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer, Layer, StoreError
-from agent.bundle import load_manifest
-from agent.storage import keys
-from agent.storage.s3 import S3ObjectStore
-from service.contract import Manifest
+from ckpt import Checkpointer, Layer, StoreError
+from ckpt.agent.manifests import load_manifest
+from ckpt.core.contract import Manifest
+from ckpt.core.storage import keys
+from ckpt.core.storage.s3 import S3ObjectStore
 from tests.fault_proxy import FaultProxy, Faults
 from tests.s3_server import S3Server, aws_environment, moto_server
 from tests.server_process import ServerProcess, ckpt_server

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.demo.compare import differences
-from agent.errors import StoreError
-from agent.storage import keys, open_store
-from agent.storage.s3 import S3ObjectStore
+from ckpt.agent.demo.compare import differences
+from ckpt.core.errors import StoreError
+from ckpt.core.storage import keys, open_store
+from ckpt.core.storage.s3 import S3ObjectStore
 from tests.conftest import run_trainer
 from tests.s3_server import S3Server, aws_environment, moto_server
 from tests.server_process import ckpt_server

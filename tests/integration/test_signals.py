@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer
-from agent.preemption import Preemption
-from agent.storage import DirectoryStore
+from ckpt import Checkpointer
+from ckpt.agent.signals import SignalWatch
+from ckpt.core.storage import DirectoryStore
 
 
-def preemption() -> Preemption:
-    return Preemption(deadline_seconds=30, on_deadline=lambda: None)
+def preemption() -> SignalWatch:
+    return SignalWatch(deadline_seconds=30, on_deadline=lambda: None)
 
 
 def test_a_signal_during_a_long_c_call_is_noted_at_once_and_interrupts_nothing() -> None:

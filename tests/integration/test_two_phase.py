@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer, PendingSave, StoreError
-from agent.config import InFlight
-from agent.storage import DirectoryStore, keys
-from service.contract import Layer, LayerRecord, Manifest
+from ckpt import Checkpointer, PendingSave, StoreError
+from ckpt.agent.config import InFlight
+from ckpt.core.contract import Layer, LayerRecord, Manifest
+from ckpt.core.storage import DirectoryStore, keys
 
 RUN = "two-phase"
 TIMEOUT = 10.0  # bounds every wait on the background thread; never reached when all is well

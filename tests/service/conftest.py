@@ -18,11 +18,11 @@ import psycopg
 import pytest
 import uvicorn
 
-from agent.storage import DirectoryStore
-from service.app import create_app
-from service.context import Context
-from service.db import upgrade
-from service.settings import Settings
+from ckpt.core.storage import DirectoryStore
+from ckpt.service.app import create_app
+from ckpt.service.context import Context
+from ckpt.service.db import upgrade
+from ckpt.service.settings import Settings
 
 PG_ADMIN = os.environ.get("CKPT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 ADMIN_TOKEN = "test-admin-token-0123456789"

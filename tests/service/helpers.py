@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from agent.storage import DirectoryStore, keys
-from service.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, TensorEntry
+from ckpt.core.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, TensorEntry
+from ckpt.core.storage import DirectoryStore, keys
 
 VERSIONS = {"ckpt": "0.1.0", "python": "3.11", "torch": "2.13.0"}
 

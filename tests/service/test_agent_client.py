@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer, FencedError
-from agent.errors import ControlPlaneError
-from agent.storage import DirectoryStore, keys
+from ckpt import Checkpointer, FencedError
+from ckpt.core.errors import ControlPlaneError
+from ckpt.core.storage import DirectoryStore, keys
 from tests.service.conftest import Server
 
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from service.contract import RESTORE_ORDER
-from service.models import Base, Token
+from ckpt.core.contract import RESTORE_ORDER
+from ckpt.service.models import Base, Token
 from tests.service.conftest import Server
 from tests.service.helpers import make_layer, open_bundle, record, register, save
 

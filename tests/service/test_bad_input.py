@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.contract import RESTORE_ORDER, Layer, LayerRecord
+from ckpt.core.contract import RESTORE_ORDER, Layer, LayerRecord
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import VERSIONS, make_layer, open_bundle, record, register, save
 

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.storage import keys
-from service.contract import RESTORE_ORDER, Layer, LayerRecord
+from ckpt.core.contract import RESTORE_ORDER, Layer, LayerRecord
+from ckpt.core.storage import keys
 from tests.service.conftest import Server
 from tests.service.helpers import commit, make_layer, open_bundle, put_blob, record, register, save
 

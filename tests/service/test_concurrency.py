@@ -24,9 +24,9 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, func, select
 
-from agent.storage import DirectoryStore
-from service.contract import RESTORE_ORDER
-from service.models import Layer, LayerBlob
+from ckpt.core.contract import RESTORE_ORDER
+from ckpt.core.storage import DirectoryStore
+from ckpt.service.models import Layer, LayerBlob
 from tests.service.conftest import create_pg_database
 from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
 

@@ -18,11 +18,11 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from agent.storage import DirectoryStore, keys
-from service.contract import RESTORE_ORDER, LayerRecord, Manifest
-from service.gc import service as gc_service
-from service.gc.service import GcReport, collect
-from service.models import Blob, Layer, LayerBlob, utcnow
+from ckpt.core.contract import RESTORE_ORDER, LayerRecord, Manifest
+from ckpt.core.storage import DirectoryStore, keys
+from ckpt.service.gc import service as gc_service
+from ckpt.service.gc.service import GcReport, collect
+from ckpt.service.models import Blob, Layer, LayerBlob, utcnow
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.storage import keys
-from service.context import Context
-from service.contract import BlobRef, LayerRecord, TensorEntry
-from service.db import upgrade
-from service.gc import service as gc
-from service.rebuild import rebuild
-from service.settings import Settings
+from ckpt.core.contract import BlobRef, LayerRecord, TensorEntry
+from ckpt.core.storage import keys
+from ckpt.service.context import Context
+from ckpt.service.db import upgrade
+from ckpt.service.gc import service as gc
+from ckpt.service.rebuild import rebuild
+from ckpt.service.settings import Settings
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import make_layer, open_bundle, put_blob, record, register, save
 

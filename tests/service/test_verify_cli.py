@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from agent import Checkpointer
-from agent.storage import DirectoryStore, keys
-from service.cli import main
-from service.contract import Layer
-from service.verify import find_manifest
+from ckpt import Checkpointer
+from ckpt.cli import main
+from ckpt.core.contract import Layer
+from ckpt.core.storage import DirectoryStore, keys
+from ckpt.core.verify import find_manifest
 
 
 def saved(root: Path, *, steps: tuple[int, ...]) -> DirectoryStore:

@@ -1,13 +1,138 @@
-"""Import boundaries: a training image needs no web stack, the control plane no torch."""
+"""Import boundaries: one-way layers, no cycles, a training image without the web stack and a
+control plane without torch.
+
+The layers, lowest first::
+
+    ckpt.core        the wire contract, storage, errors (pydantic; boto3 for S3)
+    ckpt.agent       the training agent (torch)        imports core
+    ckpt.service     the control plane (FastAPI, SQL)  imports core
+    ckpt.migrations  the catalog's schema history      imports service, core
+    ckpt.cli, ckpt   the command and the public names  import anything
+"""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "ckpt"
+
+ALLOWED = {
+    "core": {"core"},
+    "agent": {"core", "agent"},
+    "service": {"core", "service"},
+    "migrations": {"core", "service", "migrations"},
+    "cli": {"core", "agent", "service", "migrations", "cli"},
+    "": {"core", "agent", "cli"},  # ckpt/__init__.py (the public names) and ckpt/__main__.py
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imported(path: Path) -> Iterator[str]:
+    """Every ``ckpt`` module that ``path`` imports, at any depth of the file (functions and
+    ``TYPE_CHECKING`` blocks included): ``from a import b`` names ``a.b`` when that is a module."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path.parent)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield full if full in modules() else base
+
+
+@cache
+def graph() -> dict[str, set[str]]:
+    return {
+        name: {target for target in imported(path) if target in modules() and target != name}
+        for name, path in modules().items()
+    }
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else ""
+
+
+def test_the_layers_import_one_way() -> None:
+    wrong = sorted(
+        f"{source} imports {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if layer(target) not in ALLOWED[layer(source)]
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layers_are_found() -> None:
+    """Guards the test above: it must see the packages and their imports."""
+    found = {layer(name) for name in modules()}
+    assert found == set(ALLOWED)
+    assert "ckpt.core.contract" in graph()["ckpt.agent.client"]
+    assert "ckpt.core.storage.base" in graph()["ckpt.core.storage.directory"]
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(edges.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert cycles(graph()) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(edges) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
 
 
 def loaded_after(statement: str) -> set[str]:
@@ -18,7 +143,7 @@ def loaded_after(statement: str) -> set[str]:
 
 @pytest.mark.parametrize("forbidden", ["fastapi", "sqlalchemy", "starlette", "uvicorn", "boto3"])
 def test_the_agent_loads_no_web_stack(forbidden: str) -> None:
-    modules = loaded_after("import agent, agent.demo.train")
+    modules = loaded_after("from ckpt import Checkpointer; import ckpt.agent.demo.train")
     assert "torch" in modules
     assert forbidden not in modules
 
@@ -26,31 +151,43 @@ def test_the_agent_loads_no_web_stack(forbidden: str) -> None:
 @pytest.mark.parametrize(
     "statement",
     [
-        "import service",
-        "import service.contract",
-        "import service.cli",
-        "import service.app",
-        "import service.rebuild",
-        "import service.gc.service",
+        "import ckpt",
+        "import ckpt.core.contract",
+        "import ckpt.cli",
+        "import ckpt.service.app",
+        "import ckpt.service.rebuild",
+        "import ckpt.service.gc.service",
+        "from ckpt.cli import main; main(['runs', '--help'])",
     ],
 )
-def test_the_service_loads_no_torch(statement: str) -> None:
-    modules = loaded_after(statement)
+def test_the_control_plane_and_the_command_load_no_torch(statement: str) -> None:
+    modules = loaded_after(f"import contextlib\nwith contextlib.suppress(SystemExit): {statement}")
     assert "torch" not in modules
     assert "numpy" not in modules
 
 
+def test_the_public_names_resolve() -> None:
+    import ckpt
+
+    for name in ckpt.__all__:
+        assert getattr(ckpt, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = ckpt.Nope
+
+
+def test_the_package_is_typed() -> None:
+    assert (PACKAGE / "py.typed").is_file()
+
+
 def test_exactly_one_module_imports_boto3() -> None:
-    root = Path(__file__).resolve().parents[2]
     importers = sorted(
-        str(path.relative_to(root))
-        for package in ("agent", "service")
-        for path in (root / package).rglob("*.py")
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
         if re.search(r"^\s*(import|from) (boto3|botocore)\b", path.read_text(), re.MULTILINE)
     )
-    assert importers == ["agent/storage/s3.py"]
+    assert importers == ["ckpt/core/storage/s3.py"]
 
 
 def test_the_agent_loads_boto3_only_for_an_s3_store() -> None:
-    modules = loaded_after("import agent.storage; agent.storage.open_store('/tmp/x')")
+    modules = loaded_after("import ckpt.core.storage; ckpt.core.storage.open_store('/tmp/x')")
     assert "boto3" not in modules

@@ -1,4 +1,4 @@
-"""What a bundle lacks before it may become complete: ``service.completeness``."""
+"""What a bundle lacks before it may become complete: ``ckpt.service.completeness``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.completeness import (
+from ckpt.core.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, TensorEntry
+from ckpt.service.completeness import (
     BadBlob,
     BlobProblem,
     Missing,
@@ -18,7 +19,6 @@ from service.completeness import (
     missing,
     missing_layers,
 )
-from service.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, TensorEntry
 
 Key = tuple[int, Layer]
 

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from agent.errors import BundleFormatError, UnrepresentableStateError
-from agent.format import payload, skeleton
-from agent.format.payload import SKELETON_KEY, Header, PayloadLayout
-from agent.format.skeleton import JSON
-from service.contract import TensorEntry
+from ckpt.agent.format import payload, skeleton
+from ckpt.agent.format.payload import SKELETON_KEY, Header, PayloadLayout
+from ckpt.agent.format.skeleton import JSON
+from ckpt.core.contract import TensorEntry
+from ckpt.core.errors import BundleFormatError, UnrepresentableStateError
 
 
 def full_bytes(plan: PayloadLayout) -> bytes:

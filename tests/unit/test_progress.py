@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from agent.progress import Progress, format_progress
+from ckpt.core.progress import Progress, format_progress
 
 LABEL = "ckpt: saving runs/r/bundles/000000000001"
 MB = 1_000_000
@@ -34,7 +34,7 @@ class Terminal(io.StringIO):
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     clock = Clock()
-    monkeypatch.setattr("agent.progress.time.monotonic", clock)
+    monkeypatch.setattr("ckpt.core.progress.time.monotonic", clock)
     return clock
 
 

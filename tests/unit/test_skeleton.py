@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import BundleFormatError, UnrepresentableStateError
-from agent.format import skeleton
-from agent.format.skeleton import JSON
+from ckpt.agent.format import skeleton
+from ckpt.agent.format.skeleton import JSON
+from ckpt.core.errors import BundleFormatError, UnrepresentableStateError
 
 
 def same(left: Any, right: Any) -> bool:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.errors import StoreError
-from agent.storage import DirectoryStore, ObjectStore, keys, open_store
+from ckpt.core.errors import StoreError
+from ckpt.core.storage import DirectoryStore, ObjectStore, keys, open_store
 
 
 @pytest.fixture

@@ -1,0 +1,59 @@
+"""The ``Catalog`` protocol: what restore and persist need from wherever bundles are kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from ckpt.agent.upload import HeldBlobs
+from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
+
+# Hash and store every layer's blobs, asking ``HeldBlobs`` which the store already holds.
+Upload = Callable[[HeldBlobs], dict[Layer, LayerRecord]]
+
+
+class Catalog(Protocol):
+    """Finds the bundle to resume from and commits new ones, for one process of a run."""
+
+    def resumable(self, run: str, *, own: bool) -> Manifest | None:
+        """The newest resumable bundle of ``run`` (``own``: the checkpointer's run, which
+        this process is about to continue), or None."""
+        ...
+
+    def fall_back(self, run: str, manifest: Manifest, *, own: bool, reason: str) -> Manifest | None:
+        """Set ``manifest`` aside (it failed verification) and return the bundle before it."""
+        ...
+
+    def verified(self, blobs: Iterable[str]) -> None:
+        """These blobs were read back from the store and matched their SHA-256."""
+        ...
+
+    def check_step(self, step: int) -> None:
+        """Raise ``BundleExistsError`` when a save at ``step`` would replace a bundle this
+        process neither resumed from nor wrote."""
+        ...
+
+    def own_step(self, step: int) -> None:
+        """This process resumed from, or is writing, the bundle at ``step``."""
+        ...
+
+    def has_committed(self, step: int) -> bool:
+        """Whether this attempt already committed a bundle at ``step`` (which a save at the
+        same step then keeps)."""
+        ...
+
+    def commit(self, upload: Upload, *, step: int) -> Manifest:
+        """Upload through ``upload``, record every layer and commit: the bundle's manifest."""
+        ...
+
+    def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
+        """Keep what one rank's save cost."""
+        ...
+
+    def end(
+        self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
+    ) -> None:
+        """Record how this attempt ended (once; later calls do nothing)."""
+        ...
+
+    def close(self) -> None: ...

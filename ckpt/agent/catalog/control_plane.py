@@ -1,0 +1,140 @@
+"""Through the control plane (``CKPT_SERVER``): the catalog of every run, with fencing.
+
+Resuming registers this process's attempt, which fences every older one, and takes the
+bundle the control plane names. A save opens a bundle under the attempt's epoch, asks which
+blobs the store lacks, uploads them, records every layer and commits; the control plane
+checks that every rank recorded every layer and every blob is in the store, then writes
+the manifest and moves the run's head. One bundle per attempt and step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from ckpt.agent.attempt import Attempt
+from ckpt.agent.catalog.base import Upload
+from ckpt.agent.client import ControlPlane, IncompleteCommitError, Registration
+from ckpt.agent.manifests import versions
+from ckpt.agent.ranks import Ranks
+from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
+
+log = logging.getLogger("ckpt")
+
+
+class ControlPlaneCatalog:
+    """The control plane's catalog, as one attempt of one run sees it."""
+
+    def __init__(
+        self,
+        control: ControlPlane,
+        *,
+        run: str,
+        heartbeat_seconds: float,
+        step: Callable[[], int],
+        ranks: Ranks,
+    ) -> None:
+        self.control = control
+        self.attempt = Attempt(
+            control, run=run, heartbeat_seconds=heartbeat_seconds, step=step, ranks=ranks
+        )
+        self._run, self._ranks = run, ranks
+        self._committed: dict[int, Manifest] = {}  # this attempt's bundles, by step
+
+    def resumable(self, run: str, *, own: bool) -> Manifest | None:
+        """Register this attempt (fencing every older one); resume from the bundle the
+        control plane names, or (another run) that run's resumable bundle."""
+        registration = self.attempt.register(resume=own)
+        return registration.resume_from if own else self.control.resumable(run)
+
+    def fall_back(self, run: str, manifest: Manifest, *, own: bool, reason: str) -> Manifest | None:
+        """Quarantine the bundle; register again so that the new attempt resumes from (and
+        records) the bundle before it."""
+        if manifest.catalog is not None:
+            self.control.quarantine(manifest.catalog.bundle_id, reason=reason)
+        if own:
+            return self.attempt.register(resume=True).resume_from
+        return self.control.resumable(run)
+
+    def verified(self, blobs: Iterable[str]) -> None:
+        return None  # the control plane keeps what it verified
+
+    def check_step(self, step: int) -> None:
+        return None  # the control plane refuses what would not extend the run's head
+
+    def own_step(self, step: int) -> None:
+        return None
+
+    def has_committed(self, step: int) -> bool:
+        return step in self._committed
+
+    def commit(self, upload: Upload, *, step: int) -> Manifest:
+        attempt = self.attempt.current()
+        if step in self._committed:
+            # The catalog holds one bundle per attempt and step; the one already committed
+            # is a valid resume point for this step (the micro-batches since are replayed).
+            log.warning(
+                "run %s: this attempt already committed a bundle at step %d; keeping it",
+                self._run,
+                step,
+            )
+            return self._committed[step]
+        self._committed[step] = manifest = self._commit_new(attempt, step, upload)
+        return manifest
+
+    def _commit_new(self, attempt: Registration, step: int, upload: Upload) -> Manifest:
+        """Open, upload what the store lacks, record every layer, commit. A commit that finds
+        blobs gone (collected while this save deduplicated against them) uploads them again."""
+        bundle_id = self.control.open_bundle(
+            self._run,
+            attempt=attempt,
+            step=step,
+            world_size=self._ranks.world_size,
+            versions=versions(),
+        )
+        force: set[str] = set()
+        for _ in range(2):
+            self._record(bundle_id, attempt, upload(self._held(force)))
+            try:
+                return self.control.commit(bundle_id, epoch=attempt.epoch)
+            except IncompleteCommitError as err:
+                if not err.blobs:
+                    raise
+                log.warning(
+                    "bundle %d: %d blob(s) vanished; uploading them again",
+                    bundle_id,
+                    len(err.blobs),
+                )
+                force = err.blobs
+        return self.control.commit(bundle_id, epoch=attempt.epoch)
+
+    def _held(self, force: set[str]) -> Callable[[list[BlobRef]], set[str]]:
+        """Which blobs the store holds, by the control plane, less those to upload anyway."""
+
+        def held(blobs: list[BlobRef]) -> set[str]:
+            return {b.sha256 for b in blobs} - self.control.missing_blobs(blobs) - force
+
+        return held
+
+    def _record(
+        self, bundle_id: int, attempt: Registration, records: dict[Layer, LayerRecord]
+    ) -> None:
+        for layer, record in records.items():
+            self.control.record_layer(
+                bundle_id, rank=self._ranks.rank, layer=layer, epoch=attempt.epoch, record=record
+            )
+
+    def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
+        if bundle_id is not None:
+            self.control.report_save(bundle_id, rank=rank, figures=figures)
+
+    def end(
+        self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
+    ) -> None:
+        self.attempt.end(
+            reason, final_save_committed=final_save_committed, step=step, patience=patience
+        )
+
+    def close(self) -> None:
+        self.attempt.stop()
+        self.control.close()

@@ -1,0 +1,409 @@
+"""The Checkpointer: the training loop's one handle on ckpt.
+
+A façade over the phases, each in a module of its own:
+
+    capture       the six layers out of the objects and into the staging buffers (the stall)
+    persist       hash, upload, record, commit, in the background; ``PendingSave``
+    restore       find the resumable bundle, read and verify it, fall back
+    catalog       where bundles are kept: the store alone or the control plane (attempts)
+    preemption    what happens between a stop signal and the exit
+    ranks         what the ranks of a job must agree on
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckpt.agent import capture
+from ckpt.agent.catalog.base import Catalog
+from ckpt.agent.catalog.control_plane import ControlPlaneCatalog
+from ckpt.agent.catalog.store import StoreCatalog
+from ckpt.agent.client import ControlPlane
+from ckpt.agent.config import Config, InFlight
+from ckpt.agent.counters import Counters
+from ckpt.agent.data import Resumed
+from ckpt.agent.manifests import bundle_name
+from ckpt.agent.objects import Generator, gather
+from ckpt.agent.persist import PendingSave, Persister, SaveResult
+from ckpt.agent.policy import Position, SavePolicy
+from ckpt.agent.preemption import Preemption
+from ckpt.agent.ranks import MEET_SECONDS, Ranks, SingleProcess
+from ckpt.agent.restore import Restorer
+from ckpt.agent.staging import StagingArea
+from ckpt.agent.stateful import Stateful
+from ckpt.agent.summary import announce
+from ckpt.core.contract import RESTORE_ORDER, Layer
+from ckpt.core.storage import ObjectStore, open_store
+from ckpt.core.tokens import default_token
+
+__all__ = ["Checkpointer", "PendingSave", "ResumeResult", "SaveResult"]
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """What ``resume`` did: ``bundle`` is None on a fresh start."""
+
+    bundle: str | None
+    step: int | None
+    layers: tuple[Layer, ...]
+
+    @property
+    def resumed(self) -> bool:
+        return self.bundle is not None
+
+
+class Checkpointer:
+    """Captures all six layers of a training run and resumes it bit-exactly.
+
+    Configure by keyword or by ``CKPT_*`` environment variable (see ``ckpt.agent.config.Config``);
+    a keyword wins. Objects may be given singly, as a list, or as a ``{name: object}`` dict;
+    names must stay the same across restarts.
+
+    Args:
+        run: the run's name (``CKPT_RUN``); every attempt of the run uses the same one.
+        models: the model(s): parameters and buffers, plus ``.grad`` mid-accumulation.
+        optimizers: optimizer(s); parameters they own that no model has (fp32 master
+            copies) are saved with the weights.
+        schedulers: LR scheduler(s), or anything with ``state_dict``/``load_state_dict``.
+        data: what the loop iterates: a ``DataLoader`` with ``ResumableSampler``, a torchdata
+            ``StatefulDataLoader``, or any stateful object.
+        scaler: an AMP ``GradScaler``.
+        extras: other stateful objects (an EMA...), saved with the weights.
+        generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
+            objects to capture with the global RNGs.
+        store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
+            skip_unchanged, grace_seconds, handle_signals, heartbeat_seconds, quiet: see
+            ``Config``. ``store`` may also be an ``ObjectStore``.
+
+    Raises:
+        ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
+    """
+
+    def __init__(
+        self,
+        *,
+        run: str | None = None,
+        models: nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer
+        | Iterable[torch.optim.Optimizer]
+        | Mapping[str, torch.optim.Optimizer]
+        | None = None,
+        schedulers: Stateful | Iterable[Stateful] | Mapping[str, Stateful] | None = None,
+        data: object | None = None,
+        scaler: Stateful | None = None,
+        extras: Mapping[str, Stateful] | None = None,
+        generators: Mapping[str, Generator] | None = None,
+        store: str | ObjectStore | None = None,
+        server: str | None = None,
+        token: str | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        blob_bytes: int | None = None,
+        in_flight: InFlight | str | None = None,
+        skip_unchanged: bool | None = None,
+        grace_seconds: float | None = None,
+        handle_signals: bool | None = None,
+        heartbeat_seconds: float | None = None,
+        quiet: bool | None = None,
+    ) -> None:
+        store_url = store if store is None or isinstance(store, str) else store.url
+        self.config = Config.resolve(
+            {
+                "run": run,
+                "store": store_url,
+                "server": server,
+                "token": token,
+                "every_steps": every_steps,
+                "every_seconds": every_seconds,
+                "blob_bytes": blob_bytes,
+                "in_flight": in_flight,
+                "skip_unchanged": skip_unchanged,
+                "grace_seconds": grace_seconds,
+                "handle_signals": handle_signals,
+                "heartbeat_seconds": heartbeat_seconds,
+                "quiet": quiet,
+            }
+        )
+        self.store: ObjectStore = (
+            open_store(self.config.store) if store is None or isinstance(store, str) else store
+        )
+        self.objects = gather(
+            models=models,
+            optimizers=optimizers,
+            schedulers=schedulers,
+            data=data,
+            scaler=scaler,
+            extras=extras,
+            generators=generators,
+        )
+        self.policy = SavePolicy(
+            every_steps=self.config.every_steps, every_seconds=self.config.every_seconds
+        )
+        self.ranks: Ranks = SingleProcess()
+        self._wire()
+
+    def _wire(self) -> None:
+        """Connect the phases: catalog, restore, persist, preemption."""
+        config = self.config
+        self._catalog = self._open_catalog()
+        self._restorer = Restorer(
+            store=self.store,
+            catalog=self._catalog,
+            objects=self.objects,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self._staging = StagingArea()
+        self._persister = Persister(
+            run=config.run,
+            store=self.store,
+            catalog=self._catalog,
+            blob_bytes=config.blob_bytes,
+            rank=self.rank,
+            quiet=config.quiet,
+        )
+        self._preemption = Preemption(
+            run=config.run,
+            grace_seconds=config.grace_seconds,
+            persister=self._persister,
+            save=self.save,
+            position=self._position,
+            end=self._end,
+            install=config.handle_signals,
+        )
+        self._last_saved: Position | None = None
+        self._last_save_time = time.monotonic()
+        self._resumed: Resumed | None = None
+        self._epoch_batches: Iterator[Any] | None = None  # the live iterator of this epoch
+
+    def _open_catalog(self) -> Catalog:
+        config = self.config
+        if not config.server:
+            return StoreCatalog(self.store, run=config.run, ranks=self.ranks)
+        control = ControlPlane(config.server, token=config.token or default_token())
+        return ControlPlaneCatalog(
+            control,
+            run=config.run,
+            heartbeat_seconds=config.heartbeat_seconds,
+            step=lambda: self.counters.step,
+            ranks=self.ranks,
+        )
+
+    @property
+    def counters(self) -> Counters:
+        """The live counters; the loop reads and advances them."""
+        return self.objects.counters
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def _position(self) -> Position:
+        return Position(step=self.counters.step, micro_step=self.counters.micro_step)
+
+    def resume(
+        self, *, layers: Iterable[Layer | str] = RESTORE_ORDER, from_run: str | None = None
+    ) -> ResumeResult:
+        """Restore the latest resumable bundle of the run, or report a fresh start.
+
+        Layers are restored in the fixed order weights, optimizer, scheduler, rng, data,
+        counters. Restoring only some is a warm start, not a bit-exact resume: do it from
+        another run (``from_run="base", layers=["weights"]``), since with the counters back at
+        zero, saves would collide with this run's own bundles (and are refused).
+
+        Args:
+            layers: the layers to restore; all six by default.
+            from_run: read the latest bundle of this run instead of the checkpointer's own.
+
+        Returns:
+            Which bundle was restored (``bundle=None`` when there was none).
+
+        Raises:
+            CorruptBundleError: every resumable bundle has a blob that does not match its
+                manifest (one that fails is quarantined and the one before it is used).
+                Blobs are read straight into the existing weights and optimizer state, so
+                those may then hold parts of a rejected bundle: rebuild them before training.
+            BundleFormatError: the bundle is malformed (weights and optimizer state may hold
+                parts of it, as above).
+            IncompatibleBundleError: the bundle does not fit these objects. The layers before
+                the one that failed are already restored: rebuild the objects before training.
+        """
+        self.wait()
+        wanted = tuple(layer for layer in RESTORE_ORDER if layer in {Layer(x) for x in layers})
+        source = from_run or self.config.run
+        own = source == self.config.run
+        manifest, states = self._restorer.read_newest_intact(source, own=own, wanted=wanted)
+        if manifest is None:
+            announce(
+                f"ckpt: run {source}: no resumable bundle in {self.store.url}; starting fresh",
+                quiet=self.config.quiet,
+            )
+            return ResumeResult(bundle=None, step=None, layers=())
+        capture.put_back(self.objects, states, bundle=bundle_name(manifest))
+        self._resumed_at(manifest.step, own=own)
+        announce(
+            f"ckpt: run {self.config.run}: resumed from {bundle_name(manifest)} at "
+            f"{self._position()} (layers {', '.join(wanted)})",
+            quiet=self.config.quiet,
+        )
+        return ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=wanted)
+
+    def _resumed_at(self, step: int, *, own: bool) -> None:
+        """The restored position is where the loop continues, and (own run) is durable."""
+        self._last_saved = self._position()
+        self._last_save_time = time.monotonic()
+        self._resumed = Resumed(epoch=self.counters.epoch, batch=self.counters.batch)
+        self._epoch_batches = None
+        if own:
+            self._catalog.own_step(step)
+            self._persister.durable_at = self._position()
+
+    def batches(self) -> Iterator[Any]:
+        """Iterate the rest of the current epoch of ``data``, then advance the epoch.
+
+        Starts where the run stopped (the restored position), counts each batch handed
+        out as consumed, and leaves the random streams exactly as the uninterrupted run
+        would. Breaking out and calling it again continues the same epoch with the same
+        iterator. Call ``maybe_save`` at the end of the loop body, after the batch is used.
+        """
+        source = self.objects.data
+        if source is None:
+            raise ValueError("batches() needs data=: pass the loader to the Checkpointer")
+        counters = self.counters
+        if self._epoch_batches is None:
+            source.begin_epoch(counters.epoch)
+            resumed, self._resumed = self._resumed, None
+            self._epoch_batches = source.batches(resumed=resumed)
+        for batch in self._epoch_batches:
+            counters.batch += 1
+            source.consumed()
+            yield batch
+        self._epoch_batches = None
+        counters.epoch += 1
+        counters.batch = 0
+
+    def maybe_save(self) -> PendingSave | None:
+        """Save if the policy says so at the current position; call once per micro-batch.
+
+        While the previous save is still persisting, a due save waits for it
+        (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
+        returned and the next call tries again).
+
+        After SIGTERM or SIGINT this is where the process ends: it waits for the save in
+        flight, saves once more if its last measured save fits in what is left of the grace
+        period (else keeps the last bundle), ends the attempt as preempted, and raises
+        ``SystemExit(128 + signal)`` (143 for SIGTERM).
+        """
+        if self._preemption.requested:
+            self._preemption.act()
+        seconds = time.monotonic() - self._last_save_time
+        if not self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds):
+            return None
+        if self.config.in_flight is InFlight.SKIP and not self._persister.settle(block=False):
+            log.info("run %s: a save is still in flight; skipping this one", self.config.run)
+            return None
+        return self.save()
+
+    def save(self) -> PendingSave:
+        """Stage a bundle of the current state and persist it in the background.
+
+        Returns once every tensor is copied into the staging buffers: training may then
+        change the state. At most one save is in flight: this first waits for the one
+        before it. Call ``wait()`` on the result, or ``Checkpointer.wait()``, for the
+        bundle to be durable.
+
+        Raises:
+            UnrepresentableStateError: a state value has no safe representation (names its key path).
+            BundleExistsError: store-only, the step has a bundle this process did not write.
+            StoreError, ControlPlaneError, FencedError: the previous save's persist failed
+                (raised here, once, so that no failed save goes unnoticed).
+
+        The persist itself raises, from ``wait()``:
+            StoreError: the store failed; no manifest was written, so no bundle exists.
+            FencedError: a newer attempt of the run registered; this process must stop.
+            ControlPlaneError: the control plane refused the bundle (its message says why)
+                or stayed unreachable through the retries.
+        """
+        started = time.perf_counter()
+        self._persister.settle(block=True)
+        step = self.ranks.agree(self.counters.step, what="the step of a save", timeout=MEET_SECONDS)
+        self._catalog.check_step(step)
+        states, staged = capture.stage(
+            self.objects, self._staging, skip_unchanged=self.config.skip_unchanged
+        )
+        self._catalog.own_step(step)
+        self._last_saved = position = self._position()
+        self._last_save_time = time.monotonic()
+        stall = time.perf_counter() - started
+        return self._persister.submit(states, staged, step=step, stall=stall, position=position)
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight (if any) is durable.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``),
+                unless ``PendingSave.wait`` already raised that failure.
+        """
+        return self._persister.wait()
+
+    def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
+        """Tell the control plane how this attempt ended (finished, preempted or failed),
+        after the save in flight ends.
+
+        A no-op store-only, or when no attempt was registered.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is
+                reported all the same).
+        """
+        try:
+            self.wait()
+        finally:
+            self._end(reason, final_save_committed=final_save_committed, patience=None)
+
+    def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
+        self._catalog.end(
+            reason,
+            final_save_committed=final_save_committed,
+            step=self.counters.step,
+            patience=patience,
+        )
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the background thread and the
+        control-plane connection (the attempt is not ended: see ``end``).
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed.
+        """
+        try:
+            self.wait()
+        finally:
+            self._preemption.close()
+            self._persister.close()
+            self._catalog.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

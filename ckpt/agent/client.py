@@ -1,0 +1,208 @@
+"""The agent's client of the control plane: the REST calls of the commit protocol.
+
+Every call is retried with backoff on connection errors and 5xx answers (they are all
+idempotent on the server, except registration, where a retry at worst registers one more
+attempt, which fences the first). 409 ``fenced`` raises ``FencedError``; any other refusal
+raises ``ControlPlaneError`` with the server's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures, Versions
+from ckpt.core.errors import ControlPlaneError, FencedError
+
+log = logging.getLogger("ckpt.client")
+
+_RETRY_STATUSES = (500, 502, 503, 504)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """An attempt the control plane registered, and what it should resume from."""
+
+    attempt_id: int
+    epoch: int
+    resume_from: Manifest | None
+    resume_bundle_id: int | None
+
+
+class IncompleteCommitError(ControlPlaneError):
+    """The commit found parts missing; ``missing`` is the server's list."""
+
+    def __init__(self, message: str, *, missing: dict[str, Any]) -> None:
+        super().__init__(message, status=409)
+        self.missing = missing
+
+    @property
+    def blobs(self) -> set[str]:
+        return {blob["sha256"] for blob in self.missing.get("blobs", [])}
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout: float = 60.0,
+        retry_seconds: float = 120.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout, transport=transport
+        )
+        self.retry_seconds = retry_seconds
+
+    def close(self) -> None:
+        self._http.close()
+
+    def register(
+        self, run: str, *, pod: str | None, node: str | None, resume: bool
+    ) -> Registration:
+        body = self._call(
+            "POST", f"/v1/runs/{run}/attempts", {"pod": pod, "node": node, "resume": resume}
+        )
+        start = body["resume_from"]
+        return Registration(
+            attempt_id=body["attempt_id"],
+            epoch=body["epoch"],
+            resume_from=Manifest.model_validate(start["manifest"]) if start else None,
+            resume_bundle_id=start["bundle_id"] if start else None,
+        )
+
+    def resumable(self, run: str) -> Manifest | None:
+        try:
+            body = self._call("GET", f"/v1/runs/{run}/resumable")
+        except ControlPlaneError as err:
+            if err.status == 404:
+                return None
+            raise
+        return Manifest.model_validate(body["manifest"])
+
+    def open_bundle(
+        self, run: str, *, attempt: Registration, step: int, world_size: int, versions: Versions
+    ) -> int:
+        body = self._call(
+            "POST",
+            f"/v1/runs/{run}/bundles",
+            {
+                "attempt_id": attempt.attempt_id,
+                "epoch": attempt.epoch,
+                "step": step,
+                "world_size": world_size,
+                "versions": versions.model_dump(mode="json"),
+            },
+        )
+        bundle_id: int = body["id"]
+        return bundle_id
+
+    def missing_blobs(self, blobs: list[BlobRef]) -> set[str]:
+        body = self._call(
+            "POST", "/v1/blobs/missing", {"blobs": [b.model_dump(mode="json") for b in blobs]}
+        )
+        return set(body["missing"])
+
+    def record_layer(
+        self, bundle_id: int, *, rank: int, layer: Layer, epoch: int, record: LayerRecord
+    ) -> None:
+        self._call(
+            "PUT",
+            f"/v1/bundles/{bundle_id}/layers/{rank}/{layer}",
+            {"epoch": epoch, "record": record.model_dump(mode="json")},
+        )
+
+    def commit(self, bundle_id: int, *, epoch: int) -> Manifest:
+        body = self._call("POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch})
+        return Manifest.model_validate(body["bundle"]["manifest"])
+
+    def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:
+        self._call("PUT", f"/v1/bundles/{bundle_id}/saves/{rank}", figures.model_dump(mode="json"))
+
+    def quarantine(self, bundle_id: int, *, reason: str) -> None:
+        self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", {"reason": reason[:2000]})
+
+    def heartbeat(self, attempt_id: int, *, step: int, patience: float) -> None:
+        self._call(
+            "POST", f"/v1/attempts/{attempt_id}/heartbeat", {"step": step}, patience=patience
+        )
+
+    def end(
+        self,
+        attempt_id: int,
+        *,
+        reason: str,
+        final_save_committed: bool,
+        step: int,
+        patience: float | None = None,
+    ) -> None:
+        self._call(
+            "POST",
+            f"/v1/attempts/{attempt_id}/end",
+            {"reason": reason, "final_save_committed": final_save_committed, "step": step},
+            patience=patience,
+        )
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        patience: float | None = None,
+    ) -> dict[str, Any]:
+        """One request, retried on transport errors and 5xx for ``patience`` seconds
+        (default: the client's ``retry_seconds``), each try bounded by it too."""
+        window = self.retry_seconds if patience is None else patience
+        deadline = time.monotonic() + window
+        timeout = httpx.USE_CLIENT_DEFAULT if patience is None else max(patience, 0.1)
+        delay = 0.2
+        while True:
+            try:
+                response = self._http.request(method, path, json=body, timeout=timeout)
+            except httpx.TransportError as err:
+                problem: str = f"cannot reach the control plane at {self.url}: {err}"
+                status = None
+            else:
+                if response.status_code < 400:
+                    result: dict[str, Any] = response.json()
+                    return result
+                problem, status = _problem(response), response.status_code
+                if status not in _RETRY_STATUSES:
+                    raise _error(response, f"{method} {path}: {problem}")
+            if time.monotonic() + delay > deadline:
+                raise ControlPlaneError(
+                    f"{method} {path}: {problem} (gave up retrying)", status=status
+                )
+            log.warning("%s %s: %s; retrying in %.1f s", method, path, problem, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def _problem(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return f"HTTP {response.status_code}: {response.text[:200]}"
+    return f"HTTP {response.status_code}: {body.get('message', body)}"
+
+
+def _error(response: httpx.Response, message: str) -> ControlPlaneError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    code = body.get("error") if isinstance(body, dict) else None
+    if code == "fenced":
+        return FencedError(message, status=409)
+    if code == "incomplete":
+        return IncompleteCommitError(message, missing=body.get("missing", {}))
+    return ControlPlaneError(message, status=response.status_code)

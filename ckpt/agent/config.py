@@ -1,0 +1,144 @@
+"""Checkpointer configuration from keyword arguments and ``CKPT_*`` environment variables.
+
+A keyword argument wins over the environment; the environment wins over the default.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from ckpt.agent.format.chunking import DEFAULT_BLOB_BYTES
+from ckpt.core.storage.keys import check_run_name
+
+DEFAULT_STORE = ".ckpt/store"
+
+ENV = {
+    "run": "CKPT_RUN",
+    "store": "CKPT_STORE",
+    "server": "CKPT_SERVER",
+    "token": "CKPT_TOKEN",
+    "every_steps": "CKPT_EVERY_STEPS",
+    "every_seconds": "CKPT_EVERY_SECONDS",
+    "blob_bytes": "CKPT_BLOB_BYTES",
+    "in_flight": "CKPT_IN_FLIGHT",
+    "skip_unchanged": "CKPT_SKIP_UNCHANGED",
+    "grace_seconds": "CKPT_GRACE_SECONDS",
+    "handle_signals": "CKPT_HANDLE_SIGNALS",
+    "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
+    "quiet": "CKPT_QUIET",
+}
+
+
+class InFlight(enum.StrEnum):
+    """What a save does while the previous one is still persisting."""
+
+    WAIT = "wait"  # wait for it, then stage: every save requested is taken
+    SKIP = "skip"  # return at once without saving: training never waits on the store
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings of one checkpointer.
+
+    Attributes:
+        run: the run's name, shared by every attempt of it (``CKPT_RUN``).
+        store: where bundles go: a directory or ``file://`` URL (``CKPT_STORE``,
+            default ``./.ckpt/store``).
+        server: the control plane's URL (``CKPT_SERVER``); unset means store-only.
+        token: the bearer token for the control plane (``CKPT_TOKEN``; else the embedded
+            server's ``.ckpt/admin-token`` file, where there is one).
+        every_steps: save when the optimizer step reaches a multiple of this (``CKPT_EVERY_STEPS``).
+        every_seconds: save when this long has passed since the last save (``CKPT_EVERY_SECONDS``).
+        blob_bytes: the largest blob a payload is cut into (``CKPT_BLOB_BYTES``, default 64 MiB).
+        in_flight: ``wait`` (default) or ``skip``: what a save does while the previous one
+            is still persisting (``CKPT_IN_FLIGHT``).
+        skip_unchanged: neither copy nor hash again a frozen parameter that did not change
+            (``CKPT_SKIP_UNCHANGED``, default true; see ``ckpt.agent.staging``).
+        grace_seconds: how long the process has between SIGTERM and SIGKILL
+            (``CKPT_GRACE_SECONDS``, default 30: set it a little below the pod's
+            ``terminationGracePeriodSeconds``).
+        handle_signals: catch SIGTERM and SIGINT (``CKPT_HANDLE_SIGNALS``, default true).
+        heartbeat_seconds: how often the attempt tells the control plane it is alive
+            (``CKPT_HEARTBEAT_SECONDS``, default 10).
+        quiet: print no line per resume and per durable save (``CKPT_QUIET``, default
+            false; see ``ckpt.agent.summary``).
+    """
+
+    run: str
+    store: str = DEFAULT_STORE
+    server: str | None = None
+    token: str | None = None
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    blob_bytes: int = DEFAULT_BLOB_BYTES
+    in_flight: InFlight = InFlight.WAIT
+    skip_unchanged: bool = True
+    grace_seconds: float = 30.0
+    handle_signals: bool = True
+    heartbeat_seconds: float = 10.0
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        check_run_name(self.run)
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"every_steps must be at least 1, got {self.every_steps}")
+        if self.every_seconds is not None and not (
+            self.every_seconds > 0 and math.isfinite(self.every_seconds)
+        ):
+            raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
+        for name in ("grace_seconds", "heartbeat_seconds"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.blob_bytes < 1 << 20:
+            raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
+        try:
+            object.__setattr__(self, "in_flight", InFlight(str(self.in_flight).strip().lower()))
+        except ValueError:
+            raise ValueError(
+                f"in_flight (CKPT_IN_FLIGHT) must be one of {', '.join(InFlight)}, "
+                f"got {self.in_flight!r}"
+            ) from None
+        if self.server is not None and urlparse(self.server).scheme not in ("http", "https"):
+            raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
+
+    @classmethod
+    def resolve(
+        cls, overrides: Mapping[str, object], env: Mapping[str, str] | None = None
+    ) -> Config:
+        """Merge keyword ``overrides`` (None means unset) over ``CKPT_*`` variables."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for name, variable in ENV.items():
+            value = overrides.get(name)
+            if value is None and env.get(variable):
+                value = _parse(name, variable, env[variable])
+            if value is not None:
+                values[name] = value
+        if "run" not in values:
+            raise ValueError("name the run: Checkpointer(run=...) or CKPT_RUN")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(name: str, variable: str, text: str) -> object:
+    try:
+        if name in ("every_steps", "blob_bytes"):
+            return int(text)
+        if name in ("every_seconds", "grace_seconds", "heartbeat_seconds"):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{variable}={text!r} is not a number") from None
+    if name in ("skip_unchanged", "handle_signals", "quiet"):
+        flag = text.strip().lower()
+        if flag not in _FLAGS:
+            raise ValueError(f"{variable}={text!r}: use 1 or 0 (true or false)")
+        return _FLAGS[flag]
+    return text
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

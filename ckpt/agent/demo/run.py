@@ -1,0 +1,319 @@
+"""``ckpt demo``: preemption end to end on one machine.
+
+It starts the control plane (the embedded default: SQLite + the directory store under
+``./.ckpt``) in the background, trains the demo job under ``ckpt launch`` while a chaos
+loop preempts it (SIGTERM at random moments, and one SIGKILL in the middle of an upload),
+lets every attempt resume through the control plane, then trains an uninterrupted reference
+run with the same seed and checks that both end bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from ckpt.agent.demo.compare import differences
+from ckpt.core.tokens import default_token
+
+GRACE_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class Plan:
+    run: str
+    steps: int
+    every: int
+    preemptions: int
+    kill_upload_at: int  # the step whose upload is killed with SIGKILL
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="ckpt demo", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--store", default=".ckpt/store", help="where bundles go (default: ./.ckpt/store)"
+    )
+    parser.add_argument(
+        "--server", default=None, help="use this control plane instead of starting one"
+    )
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to train")
+    parser.add_argument("--every", type=int, default=5, help="save every N steps")
+    parser.add_argument("--preemptions", type=int, default=3, help="SIGTERMs to send")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the chaos")
+    args = parser.parse_args(argv)
+    if args.every < 1 or args.steps < 3 * args.every:
+        parser.error(f"--steps must be at least 3 x --every (got {args.steps}, {args.every})")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    chooser = random.Random(args.seed)
+    plan = Plan(
+        run=f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{chooser.randrange(1 << 16):04x}",
+        steps=args.steps,
+        every=args.every,
+        preemptions=args.preemptions,
+        kill_upload_at=args.every * chooser.randrange(1, args.steps // args.every),
+    )
+    work = Path(".ckpt") / "demo" / plan.run
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"ckpt demo: run {plan.run}; bundles in {args.store}")
+    with _control_plane(args, work) as (url, token):
+        print(f"1. control plane at {url}")
+        print(
+            f"2. training {plan.steps} steps under `ckpt launch`, saving every {plan.every}; "
+            f"{plan.preemptions} SIGTERMs at random steps and a SIGKILL while the bundle "
+            f"of step {plan.kill_upload_at} uploads"
+        )
+        started = time.monotonic()
+        rc, signals = _train_with_chaos(
+            args, plan, work=work, url=url, token=token, chooser=chooser
+        )
+        print(f"   done in {time.monotonic() - started:.0f} s (ckpt launch exited {rc})")
+        if rc != 0:
+            print(f"the run did not finish: see {work / 'launch.log'}", file=sys.stderr)
+            return 1
+        facts = _facts(url, token, plan.run)
+    print("3. a reference run trains the same job without interruption")
+    _reference(plan, work)
+    code = _report(plan, work, facts, signals)
+    _print_next_steps(url if args.server else None, plan.run)
+    return code
+
+
+@contextmanager
+def _control_plane(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, str | None]]:
+    """The given control plane, or ``ckpt server`` started here on a free port."""
+    if args.server:
+        yield args.server.rstrip("/"), default_token()
+        return
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "CKPT_STORE": args.store,
+        "CKPT_PORT": str(port),
+        "CKPT_LOST_AFTER_SECONDS": "5",  # so that the SIGKILLed attempt shows as lost
+    }
+    with (work / "server.log").open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "ckpt", "server"], env=env, stdout=log, stderr=log
+        )
+    try:
+        _wait_healthy(url, server, work / "server.log")
+        yield url, default_token()
+    finally:
+        server.terminate()
+        server.wait(15)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"ckpt server exited:\n{log.read_text()[-2000:]}")
+        with suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"ckpt server did not become ready:\n{log.read_text()[-2000:]}")
+
+
+def _trainer(plan: Plan, store: str, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "ckpt.agent.demo.train",
+        "--store",
+        store,
+        "--run",
+        plan.run,
+        "--out",
+        str(out),
+        "--steps",
+        str(plan.steps),
+        "--total-steps",
+        str(plan.steps + 20),
+        *extra,
+    ]
+
+
+def _train_with_chaos(
+    args: argparse.Namespace,
+    plan: Plan,
+    *,
+    work: Path,
+    url: str,
+    token: str | None,
+    chooser: random.Random,
+) -> tuple[int, int]:
+    """Run the job under ``ckpt launch`` and preempt it; returns (exit code, SIGTERMs sent)."""
+    pid_file = work / "trainer.pid"
+    drills = (
+        "--every",
+        str(plan.every),
+        "--kill-during-upload",
+        str(plan.kill_upload_at),
+        "--drill-marker",
+        str(work / "killed-once"),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "ckpt",
+        "launch",
+        "--max-restarts",
+        str(plan.preemptions + 3),
+        "--backoff",
+        "0.5",
+        "--pid-file",
+        str(pid_file),
+        "--",
+        *_trainer(plan, args.store, work / "final.pt", *drills),
+    ]
+    env = {
+        **os.environ,
+        "CKPT_SERVER": url,
+        "CKPT_GRACE_SECONDS": str(GRACE_SECONDS),
+        "CKPT_HEARTBEAT_SECONDS": "0.2",  # the chaos loop aims by the steps they report
+        **({"CKPT_TOKEN": token} if token else {}),
+    }
+    # SIGTERM when the live attempt's heartbeats report these steps: spread over the run.
+    targets = sorted(chooser.sample(range(2, plan.steps - 2), plan.preemptions))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with (
+        (work / "launch.log").open("w") as log,
+        httpx.Client(base_url=url, headers=headers, timeout=10) as client,
+    ):
+        launch = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+        sent = 0
+        while launch.poll() is None:
+            time.sleep(0.1)
+            if sent < len(targets) and _preempt_at(targets[sent], client, plan.run, pid_file):
+                sent += 1
+                print(
+                    f"   SIGTERM {sent} of {len(targets)} sent (step {targets[sent - 1]} or later)"
+                )
+                _await_restart(pid_file, launch)
+        return launch.wait(), sent
+
+
+def _await_restart(pid_file: Path, launch: subprocess.Popen[bytes]) -> None:
+    """Until ``ckpt launch`` has started the next attempt (or ended)."""
+    try:
+        before = pid_file.read_text()
+    except OSError:
+        return
+    while launch.poll() is None:
+        with suppress(OSError):
+            if pid_file.read_text() != before:
+                return
+        time.sleep(0.1)
+
+
+def _preempt_at(step: int, client: httpx.Client, run: str, pid_file: Path) -> bool:
+    """SIGTERM the trainer once its live attempt reports ``step``; whether it was sent."""
+    with suppress(httpx.HTTPError, OSError, ValueError, KeyError, IndexError, TypeError):
+        attempt = client.get(f"/v1/runs/{run}/lineage").json()["attempts"][-1]
+        if attempt["ended_at"] is None and (attempt["last_step"] or 0) >= step:
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+            return True
+    return False
+
+
+def _facts(url: str, token: str | None, run: str) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        # The SIGKILLed attempt never says goodbye: give the server's sweep the time to mark
+        # it lost (5 s without heartbeats, checked every 2.5 s).
+        deadline = time.monotonic() + 10
+        while True:
+            lineage = client.get(f"/v1/runs/{run}/lineage").raise_for_status().json()
+            silent = [a for a in lineage["attempts"][:-1] if a["ended_at"] is None]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        complete = [b for b in lineage["bundles"] if b["status"] == "complete"]
+        saves = [
+            save
+            for bundle in complete
+            for save in client.get(f"/v1/bundles/{bundle['id']}").raise_for_status().json()["saves"]
+        ]
+    return {"lineage": lineage, "bundles": complete, "saves": saves}
+
+
+def _reference(plan: Plan, work: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    command = _trainer(plan, str(work / "reference-store"), work / "reference.pt")
+    command[command.index("--run") + 1] = f"{plan.run}-reference"
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the reference run failed:\n{done.stderr[-3000:]}")
+
+
+def _report(plan: Plan, work: Path, facts: dict[str, Any], signals: int) -> int:
+    """Print what happened and the comparison; 0 when bit-identical to the reference."""
+    attempts = facts["lineage"]["attempts"]
+    final: dict[str, Any] = torch.load(work / "final.pt", weights_only=True)
+    reference: dict[str, Any] = torch.load(work / "reference.pt", weights_only=True)
+    stored = sum(save["payload_bytes"] for save in facts["saves"])
+    uploaded = sum(save["new_bytes"] for save in facts["saves"])
+    print()
+    print(f"attempts:                     {len(attempts)} ({signals} SIGTERMs, 1 SIGKILL drill)")
+    for attempt in attempts[:-1]:
+        lost = attempt.get("steps_lost")
+        print(
+            f"  attempt {attempt['epoch']}: {attempt['end_reason'] or 'not ended'} "
+            f"at step {attempt['last_step']}, final save committed: "
+            f"{attempt['final_save_committed']}, steps lost: {'?' if lost is None else lost}"
+        )
+    print(f"bundles saved:                {len(facts['bundles'])}")
+    print(
+        f"bytes:                        {stored} in bundles, {uploaded} uploaded "
+        f"({stored - uploaded} deduplicated)"
+    )
+    print(f"micro-batches compared:       {len(final['positions'])} (the last attempt's)")
+    found = differences(reference, final)
+    if found:
+        print("BIT-EXACT: NO")
+        for item in found:
+            print(f"  - {item}")
+        return 1
+    print("BIT-EXACT: yes - every parameter, optimizer tensor, LR and loss is identical")
+    return 0
+
+
+def _print_next_steps(server: str | None, run: str) -> None:
+    print()
+    if server is None:
+        print("The catalog and bundles stay in ./.ckpt. Start the control plane on them and ask:")
+        print("  ckpt server &")
+        server = "http://127.0.0.1:8470"
+    print(
+        f'  curl -H "Authorization: Bearer $(cat .ckpt/admin-token)" {server}/v1/runs/{run}/resumable'
+    )
+    print(
+        f'  curl -H "Authorization: Bearer $(cat .ckpt/admin-token)" {server}/v1/runs/{run}/lineage'
+    )
+    print(f"  ckpt resumable {run}     # the same through the CLI")

@@ -1,0 +1,272 @@
+"""The background half of a save: hash, upload, record, commit, on one thread.
+
+``Checkpointer.save`` stages the state and hands it here; the save is *staged* when it
+returns a ``PendingSave`` and *durable* once the catalog committed the bundle
+(``PendingSave.wait``). At most one save is in flight: the next one waits for it or is
+skipped (``InFlight``). A failed persist is raised exactly once, by ``PendingSave.wait``
+or else by the next ``Persister.wait``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckpt.agent.capture import LayerState
+from ckpt.agent.catalog.base import Catalog, Upload
+from ckpt.agent.manifests import bundle_name, bundle_name_at
+from ckpt.agent.policy import Position
+from ckpt.agent.staging import Staged
+from ckpt.agent.summary import announce, format_bytes
+from ckpt.agent.upload import BlobHashes, BlobSources, HeldBlobs, WriteStats, upload_layer
+from ckpt.core.contract import Layer, LayerRecord, SaveFigures
+from ckpt.core.errors import CkptError
+from ckpt.core.progress import Progress
+from ckpt.core.storage import ObjectStore
+
+log = logging.getLogger("ckpt")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save wrote and what it cost, once durable.
+
+    Attributes:
+        stall_seconds: how long ``save`` held training up (staging, plus waiting for the
+            save before it when that one was still in flight).
+        persist_seconds: from the end of staging until the bundle was committed.
+        payload_bytes: the bundle's bytes (this rank); new_bytes: those uploaded, the rest
+            being blobs the store already held.
+    """
+
+    bundle: str
+    step: int
+    payload_bytes: int
+    new_bytes: int
+    stall_seconds: float
+    persist_seconds: float
+
+    @property
+    def throughput(self) -> float:
+        """Bundle bytes persisted per second."""
+        return self.payload_bytes / self.persist_seconds if self.persist_seconds else 0.0
+
+    @property
+    def dedup_ratio(self) -> float:
+        """The fraction of the bundle that was uploaded: 1.0 when nothing was in the store."""
+        return self.new_bytes / self.payload_bytes if self.payload_bytes else 0.0
+
+    @property
+    def figures(self) -> SaveFigures:
+        return SaveFigures(
+            stall_seconds=self.stall_seconds,
+            persist_seconds=self.persist_seconds,
+            payload_bytes=self.payload_bytes,
+            new_bytes=self.new_bytes,
+        )
+
+
+class PendingSave:
+    """A staged save; its persist (hash, upload, commit) runs in the background.
+
+    The save is *staged* when ``Checkpointer.save`` returns it: the state was copied, so
+    training may change it. It is *durable* once the bundle is committed: ``wait()``.
+    """
+
+    def __init__(
+        self, *, bundle: str, step: int, stall_seconds: float, future: Future[SaveResult]
+    ) -> None:
+        self.bundle = bundle
+        self.step = step
+        self.stall_seconds = stall_seconds
+        self.raised = False  # whether wait() already raised the persist's failure
+        self._future = future
+
+    @property
+    def durable(self) -> bool:
+        """Whether the bundle is committed (False while in flight or when the persist failed)."""
+        return self._future.done() and self._future.exception() is None
+
+    def done(self) -> bool:
+        """Whether the persist ended, committed or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> SaveResult:
+        """Block until the bundle is durable.
+
+        Raises:
+            TimeoutError: still in flight after ``timeout`` seconds.
+            StoreError, ControlPlaneError, FencedError: the persist failed (see
+                ``Checkpointer.save``).
+        """
+        try:
+            return self._future.result(timeout)
+        except BaseException as err:
+            self.raised = self._future.done() and self._future.exception() is err
+            raise
+
+    def __repr__(self) -> str:
+        state = "durable" if self.durable else "done" if self.done() else "in flight"
+        return f"<PendingSave {self.bundle} {state}>"
+
+
+class Persister:
+    """Persists staged saves on one background thread, one at a time, through a catalog."""
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        store: ObjectStore,
+        catalog: Catalog,
+        blob_bytes: int,
+        rank: int,
+        quiet: bool,
+    ) -> None:
+        self.in_flight: PendingSave | None = None
+        self.durable_at: Position | None = None  # where this process's newest bundle is
+        self.save_seconds: float | None = None  # stall + persist of the last durable save
+        self._run, self._store, self._catalog = run, store, catalog
+        self._blob_bytes, self._rank, self._quiet = blob_bytes, rank, quiet
+        self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+
+    def submit(
+        self,
+        states: Mapping[Layer, LayerState],
+        staged: Staged,
+        *,
+        step: int,
+        stall: float,
+        position: Position,
+    ) -> PendingSave:
+        """Start persisting a staged save; the previous one must have ended (``settle``)."""
+        future = self._thread.submit(
+            self._persist, states, staged, step=step, stall=stall, position=position
+        )
+        self.in_flight = PendingSave(
+            bundle=bundle_name_at(self._run, step), step=step, stall_seconds=stall, future=future
+        )
+        return self.in_flight
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Block until the save in flight (if any) is durable; raise its failure unless
+        ``PendingSave.wait`` already did."""
+        pending = self.in_flight
+        if pending is None or pending.raised:
+            self.in_flight = None
+            return None
+        try:
+            return pending.wait(timeout)
+        finally:
+            if pending.done():  # not when interrupted: its buffers are still in use
+                self.in_flight = None
+
+    def settle(self, *, block: bool) -> bool:
+        """Whether a new save may stage now: none in flight, or (``block``) it has ended."""
+        pending = self.in_flight
+        if pending is not None and not block and not pending.done():
+            return False
+        self.wait()
+        return True
+
+    def close(self) -> None:
+        """Release the thread, after the save in flight (if any) ends."""
+        self._thread.shutdown(wait=True)
+
+    def _persist(
+        self,
+        states: Mapping[Layer, LayerState],
+        staged: Staged,
+        *,
+        step: int,
+        stall: float,
+        position: Position,
+    ) -> SaveResult:
+        started = time.perf_counter()
+        kept = self._catalog.has_committed(step)  # then no new bundle is made
+        stats = WriteStats()
+        hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
+        total = sum(t.nbytes for t in staged.tensors.values())
+        progress = Progress(f"ckpt: saving {bundle_name_at(self._run, step)}", total)
+        try:
+            upload = self._uploader(states, stats=stats, hashes=hashes, progress=progress)
+            manifest = self._catalog.commit(upload, step=step)
+        except Exception:
+            log.exception("run %s: saving step %d failed", self._run, step)
+            raise
+        finally:
+            self._blob_hashes = hashes.current
+            progress.close()
+        result = SaveResult(
+            bundle=bundle_name(manifest),
+            step=manifest.step,
+            payload_bytes=stats.payload_bytes,
+            new_bytes=stats.new_bytes,
+            stall_seconds=stall,
+            persist_seconds=time.perf_counter() - started,
+        )
+        if not kept:
+            self.durable_at = position
+        self.save_seconds = result.stall_seconds + result.persist_seconds
+        self._announce(result, position, copied=staged.copied_bytes, reused=hashes.reused_bytes)
+        self._report(manifest.catalog.bundle_id if manifest.catalog else None, result)
+        return result
+
+    def _uploader(
+        self,
+        states: Mapping[Layer, LayerState],
+        *,
+        stats: WriteStats,
+        hashes: BlobHashes,
+        progress: Progress,
+    ) -> Upload:
+        """Hash and store every layer's blobs, asking ``held`` which the store holds."""
+
+        def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
+            stats.seen.clear()  # a second round uploads the blobs that vanished again
+            stats.payload_bytes = 0
+            return {
+                layer: upload_layer(
+                    self._store,
+                    state,
+                    blob_bytes=self._blob_bytes,
+                    stats=stats,
+                    held=held,
+                    hashes=hashes,
+                    progress=progress.advance,
+                )
+                for layer, state in states.items()
+            }
+
+        return upload
+
+    def _announce(
+        self, result: SaveResult, position: Position, *, copied: int, reused: int
+    ) -> None:
+        """One line per durable save; the details at debug level."""
+        announce(
+            f"ckpt: run {self._run}: saved {position}: {format_bytes(result.payload_bytes)} "
+            f"({format_bytes(result.new_bytes)} new), stall {result.stall_seconds:.3f} s, "
+            f"durable after {result.persist_seconds:.2f} s ({result.throughput / 1e9:.2f} GB/s)",
+            quiet=self._quiet,
+        )
+        log.debug(
+            "run %s: %s: %d bytes copied and %d hashed again",
+            self._run,
+            result.bundle,
+            copied,
+            result.payload_bytes - reused,
+        )
+
+    def _report(self, bundle_id: int | None, result: SaveResult) -> None:
+        """Send the figures to the catalog; a failure costs only the figures."""
+        try:
+            self._catalog.report(bundle_id, rank=self._rank, figures=result.figures)
+        except CkptError as err:
+            log.warning(
+                "run %s: could not report the figures of %s: %s", self._run, result.bundle, err
+            )

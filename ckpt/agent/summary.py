@@ -1,0 +1,31 @@
+"""One line for the user per resume and per durable save, with or without logging set up.
+
+The lines go to the ``ckpt`` logger at INFO when the program configured logging (any
+handler on it or on the root logger), and straight to standard error otherwise, so that a
+script that never touched ``logging`` still sees what ckpt did. ``quiet``
+(``CKPT_QUIET=1``) silences them; warnings and errors are logged either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("ckpt")
+
+
+def announce(message: str, *, quiet: bool) -> None:
+    if quiet:
+        log.debug("%s", message)
+    elif log.hasHandlers():
+        log.info("%s", message)
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+def format_bytes(count: int) -> str:
+    """``1.02 GB``, ``3.4 MB``, ``812 B`` (powers of 1000)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.{1 if count >= 10 * size else 2}f} {unit}"
+    return f"{count} B"

@@ -1,0 +1,128 @@
+"""The upload phase of a save: lay out each layer's payload, hash its blobs and put the
+ones the store lacks.
+
+A blob is stored under its SHA-256 (``keys.blob_key``), so a blob the store already holds
+is not uploaded again; ``HeldBlobs`` says which those are (the store itself, store-only, or
+the control plane). Hashing and writing run as one task per blob on the I/O threads, so
+CPU and I/O overlap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from ckpt.agent.capture import LayerState
+from ckpt.agent.format import payload
+from ckpt.agent.format.chunking import GROUP_BYTES, plan_blobs
+from ckpt.agent.threads import parallel
+from ckpt.core.contract import BlobRef, LayerRecord
+from ckpt.core.storage import ObjectStore, keys
+
+
+@dataclass
+class WriteStats:
+    """What one save wrote; blobs are counted from several threads."""
+
+    payload_bytes: int = 0
+    new_bytes: int = 0
+    seen: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self, sha256: str) -> bool:
+        """Whether this is the first time the save meets this blob (so it may store it)."""
+        with self._lock:
+            first = sha256 not in self.seen
+            self.seen.add(sha256)
+            return first
+
+    def stored(self, size: int) -> None:
+        with self._lock:
+            self.new_bytes += size
+
+
+def _sha256(pieces: Iterator[memoryview]) -> str:
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+HeldBlobs = Callable[[list[BlobRef]], set[str]]
+BlobSources = tuple[tuple[str, int, int], ...]
+
+
+@dataclass
+class BlobHashes:
+    """SHA-256s of the previous save's blobs, reused for blobs whose bytes did not change.
+
+    A blob is known by what it holds (``PayloadLayout.sources``); when every tensor it
+    covers is ``unchanged`` since the previous save, its hash from then still holds.
+    """
+
+    previous: Mapping[BlobSources, str] = field(default_factory=dict)
+    unchanged: frozenset[str] = frozenset()
+    current: dict[BlobSources, str] = field(default_factory=dict)
+    reused_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def known(self, sources: BlobSources) -> str | None:
+        if not all(name in self.unchanged for name, _, _ in sources):
+            return None
+        return self.previous.get(sources)
+
+    def remember(self, sources: BlobSources, sha256: str) -> None:
+        self.current[sources] = sha256  # one key per thread: a dict store is atomic
+
+    def reused(self, size: int) -> None:
+        with self._lock:
+            self.reused_bytes += size
+
+
+def upload_layer(
+    store: ObjectStore,
+    state: LayerState,
+    *,
+    blob_bytes: int,
+    stats: WriteStats,
+    held: HeldBlobs,
+    hashes: BlobHashes | None = None,
+    progress: Callable[[int], None] = lambda nbytes: None,
+) -> LayerRecord:
+    """Lay out one payload, hash its blobs and put those the store does not hold intact.
+
+    ``held`` answers which of the new blobs the store already holds intact: the store
+    itself (``store_held``) or the control plane (``/v1/blobs/missing``). ``hashes`` carries
+    the previous save's blob hashes over; ``progress`` is told the size of each blob done.
+    """
+    plan = payload.layout(state.skeleton, state.tensors)
+    ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
+    hashes = hashes if hashes is not None else BlobHashes()
+
+    # One task per blob, from hash to stored, so that hashing (CPU) and writing (I/O)
+    # overlap across the threads instead of running as two phases.
+    def persist(span: tuple[int, int]) -> BlobRef:
+        sources = plan.sources(*span)
+        sha = hashes.known(sources)
+        if sha is None:
+            sha = _sha256(plan.pieces(*span))
+        else:
+            hashes.reused(span[1] - span[0])
+        hashes.remember(sources, sha)
+        blob = BlobRef(sha256=sha, size=span[1] - span[0])
+        if stats.claim(sha) and not held([blob]):
+            store.put(keys.blob_key(sha), plan.pieces(*span))
+            stats.stored(blob.size)
+        progress(blob.size)
+        return blob
+
+    blobs = parallel(persist, ranges)
+    stats.payload_bytes += plan.size
+    return LayerRecord(
+        payload_bytes=plan.size,
+        header_bytes=len(plan.header),
+        blobs=tuple(blobs),
+        tensors=plan.index,
+    )

@@ -1,0 +1,247 @@
+"""The S3 object store: AWS S3, MinIO, or any S3-compatible server. The only module that
+imports boto3.
+
+``CKPT_STORE=s3://bucket/prefix`` selects it; ``CKPT_S3_ENDPOINT`` points it at MinIO or
+another server; credentials come from the standard AWS chain (environment, profile, IRSA).
+
+Objects are streamed from the caller's buffers (never joined into one bytes object): one
+``PutObject`` up to ``part_bytes``, a multipart upload above, each request carrying the
+SHA-256 of its bytes so that the server verifies what it receives. A failed multipart
+upload is aborted, so no partial object ever becomes visible. botocore retries throttling,
+5xx answers and connection errors with backoff; connect and read timeouts bound every call.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from ckpt.core.errors import BadObjectError, StoreError
+from ckpt.core.storage.base import StoredObject
+
+MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
+DEFAULT_PART_BYTES = 64 << 20
+_NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+
+
+class S3ObjectStore:
+    """Objects under ``s3://bucket/prefix``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        part_bytes: int = DEFAULT_PART_BYTES,
+        concurrency: int = 8,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        max_attempts: int = 8,
+    ) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"not an S3 URL: {url!r}; use s3://bucket/prefix")
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (S3's minimum)")
+        self.url = url.rstrip("/")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
+        self.part_bytes = part_bytes
+        self._client: Any = boto3.session.Session().client(
+            "s3",
+            endpoint_url=endpoint_url,
+            config=Config(
+                retries={"max_attempts": max_attempts, "mode": "standard"},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_pool_connections=max(10, 2 * concurrency),
+                s3={"addressing_style": "path"} if endpoint_url else None,
+            ),
+        )
+
+    def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
+        views = [memoryview(piece).cast("B") for piece in pieces]
+        size = sum(len(view) for view in views)
+        target = self.prefix + key
+        try:
+            if size <= self.part_bytes:
+                self._client.put_object(
+                    Bucket=self.bucket,
+                    Key=target,
+                    Body=_Reader(views),
+                    ContentLength=size,
+                    ChecksumSHA256=_sha256(views),
+                )
+            else:
+                self._put_multipart(target, views, size)
+        except (BotoCoreError, ClientError) as err:
+            raise StoreError(f"{self.url}: cannot write {key!r}: {err}") from err
+
+    def _put_multipart(self, target: str, views: list[memoryview], size: int) -> None:
+        upload = self._client.create_multipart_upload(
+            Bucket=self.bucket, Key=target, ChecksumAlgorithm="SHA256"
+        )["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, size, self.part_bytes), start=1):
+                part = list(_slice(views, start, min(start + self.part_bytes, size)))
+                checksum = _sha256(part)
+                answer = self._client.upload_part(
+                    Bucket=self.bucket,
+                    Key=target,
+                    UploadId=upload,
+                    PartNumber=number,
+                    Body=_Reader(part),
+                    ContentLength=sum(len(p) for p in part),
+                    ChecksumSHA256=checksum,
+                )
+                parts.append(
+                    {"PartNumber": number, "ETag": answer["ETag"], "ChecksumSHA256": checksum}
+                )
+            self._client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=target,
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=target, UploadId=upload)
+            raise
+
+    def get(self, key: str) -> bytes:
+        try:
+            data: bytes = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)[
+                "Body"
+            ].read()
+        except ClientError as err:
+            raise self._error("read", key, err) from err
+        except BotoCoreError as err:
+            raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
+        return data
+
+    def read_into(self, key: str, buffer: memoryview) -> int:
+        try:
+            answer = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+            size = int(answer["ContentLength"])
+            if size > len(buffer):
+                answer["Body"].close()
+                raise BadObjectError(
+                    f"{self.url}: {key!r} holds {size} bytes, expected at most {len(buffer)}"
+                )
+            filled = 0
+            body = answer["Body"]
+            while filled < size:
+                chunk = body.read(min(8 << 20, size - filled))
+                if not chunk:
+                    raise StoreError(f"{self.url}: {key!r} ended after {filled} of {size} bytes")
+                buffer[filled : filled + len(chunk)] = chunk
+                filled += len(chunk)
+            return size
+        except ClientError as err:
+            raise self._error("read", key, err) from err
+        except BotoCoreError as err:
+            raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
+
+    def size(self, key: str) -> int | None:
+        try:
+            answer = self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+        except ClientError as err:
+            if _code(err) in _NOT_FOUND:
+                return None
+            raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
+        except BotoCoreError as err:
+            raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
+        return int(answer["ContentLength"])
+
+    def list_keys(self, prefix: str) -> Iterator[str]:
+        return (item.key for item in self.list_objects(prefix))
+
+    def list_objects(self, prefix: str) -> Iterator[StoredObject]:
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + prefix
+        )
+        try:
+            for page in pages:
+                for item in page.get("Contents", []):
+                    yield StoredObject(
+                        item["Key"][len(self.prefix) :],
+                        int(item["Size"]),
+                        item["LastModified"].timestamp(),
+                    )
+        except (BotoCoreError, ClientError) as err:
+            raise StoreError(f"{self.url}: cannot list {prefix!r}: {err}") from err
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
+        except (BotoCoreError, ClientError) as err:
+            raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
+
+    def _error(self, action: str, key: str, err: ClientError) -> StoreError:
+        if _code(err) in _NOT_FOUND:
+            return BadObjectError(f"{self.url}: no object {key!r}")
+        return StoreError(f"{self.url}: cannot {action} {key!r}: {err}")
+
+
+def _code(err: ClientError) -> str:
+    return str(err.response.get("Error", {}).get("Code", ""))
+
+
+def _sha256(views: Iterable[memoryview]) -> str:
+    digest = hashlib.sha256()
+    for view in views:
+        digest.update(view)
+    return base64.b64encode(digest.digest()).decode()
+
+
+def _slice(views: list[memoryview], start: int, end: int) -> Iterator[memoryview]:
+    """The bytes [start, end) of the concatenation of ``views``, as views (no copy)."""
+    offsets = itertools.accumulate((len(v) for v in views), initial=0)
+    for view, first in zip(views, offsets, strict=False):
+        last = first + len(view)
+        if last <= start or first >= end:
+            continue
+        yield view[max(start - first, 0) : min(end, last) - first]
+
+
+class _Reader(io.RawIOBase):
+    """A seekable, read-only stream over views, so botocore can send (and resend on a
+    retry) a body without it being joined into one bytes object."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views = views
+        self._size = sum(len(v) for v in views)
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, min(base + offset, self._size))
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        end = min(self._position + len(target), self._size)
+        filled = 0
+        for piece in _slice(self._views, self._position, end):
+            target[filled : filled + len(piece)] = piece
+            filled += len(piece)
+        self._position = end
+        return filled

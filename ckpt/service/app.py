@@ -1,0 +1,232 @@
+"""The FastAPI application: routers, the one error handler, body limits, metrics, and the
+periodic tasks: garbage collection and marking lost attempts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError, DBAPIError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ckpt.core.version import __version__
+from ckpt.service.auth.endpoints import router as tokens_router
+from ckpt.service.bundles.endpoints import router as bundles_router
+from ckpt.service.context import Context
+from ckpt.service.db import upgrade
+from ckpt.service.errors import InvalidRequestError, PayloadTooLargeError, ServiceError
+from ckpt.service.gc import service as gc
+from ckpt.service.gc.endpoints import router as gc_router
+from ckpt.service.health import router as health_router
+from ckpt.service.runs import service as runs
+from ckpt.service.runs.endpoints import router as runs_router
+from ckpt.service.settings import Settings, embedded_admin_token
+
+log = logging.getLogger("ckpt.service")
+
+
+def create_app(settings: Settings | None = None, *, context: Context | None = None) -> FastAPI:
+    """The control plane for ``settings`` (default: from ``CKPT_*`` variables)."""
+    settings = settings or (context.settings if context else Settings.from_env())
+    if settings.migrate_at_start:
+        upgrade(settings.database_url)
+    context = context or Context.create(settings)
+    admin_token = embedded_admin_token(settings) if settings.embedded else settings.admin_token
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stop = asyncio.Event()
+        periodic: list[tuple[str, Callable[[Context], object], float]] = [
+            ("marking lost attempts", runs.mark_lost, settings.lost_check_seconds)
+        ]
+        if settings.gc_interval_seconds > 0:
+            periodic.append(("garbage collection", gc.collect, settings.gc_interval_seconds))
+        tasks = [
+            asyncio.create_task(_periodically(what, work, context, interval=every, stop=stop))
+            for what, work, every in periodic
+        ]
+        try:
+            yield
+        finally:
+            # Let a pass in flight finish: its thread would outlive a cancelled task and
+            # keep using the database after the app is gone.
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    app = FastAPI(
+        title="ckpt control plane",
+        version=__version__,
+        summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
+        lifespan=lifespan,
+    )
+    app.state.context = context
+    app.state.admin_token = admin_token
+    for router in (health_router, runs_router, bundles_router, tokens_router, gc_router):
+        app.include_router(router)
+    _handle_errors(app)
+    _count_requests(app, context)
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+async def _periodically(
+    what: str,
+    work: Callable[[Context], object],
+    context: Context,
+    *,
+    interval: float,
+    stop: asyncio.Event,
+) -> None:
+    """Run ``work(context)`` in a worker thread every ``interval`` seconds until ``stop``."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval)
+        if stop.is_set():
+            return
+        try:
+            await run_in_threadpool(work, context)
+        except Exception:  # keep the server up; the next pass tries again
+            log.exception("periodic %s failed", what)
+
+
+def _handle_errors(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def service_error(_: Request, err: ServiceError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        problems = [_describe(problem) for problem in err.errors()]
+        return JSONResponse(
+            {
+                "error": "invalid_request",
+                "message": "; ".join(problems) or "invalid request",
+                "problems": problems,
+            },
+            status_code=422,
+        )
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(_: Request, err: DBAPIError) -> JSONResponse:
+        if isinstance(err, DataError):  # a value the database cannot store
+            body = InvalidRequestError(f"the database refused a value: {err.orig}").body()
+            return JSONResponse(body, status_code=422)
+        if _retryable(err):
+            log.warning("database conflict, the client will retry: %s", err.orig)
+            body = ServiceError(
+                "the database aborted this request to resolve a conflict; retry it"
+            ).body() | {"error": "retry"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        log.error("database error", exc_info=err)
+        body = ServiceError("the catalog database failed; see the server log").body()
+        return JSONResponse(body, status_code=503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            413: PayloadTooLargeError.code,
+        }.get(err.status_code, "http_error")
+        return JSONResponse(
+            {"error": code, "message": str(err.detail)},
+            status_code=err.status_code,
+            headers=getattr(err, "headers", None),
+        )
+
+
+def _retryable(err: DBAPIError) -> bool:
+    """A deadlock or serialization failure (Postgres), or a busy database (SQLite)."""
+    code = getattr(err.orig, "sqlstate", None)
+    return code in ("40P01", "40001") or "database is locked" in str(err.orig)
+
+
+def _describe(problem: Any) -> str:
+    where = ".".join(str(part) for part in problem.get("loc", ()))
+    return f"{where}: {problem.get('msg', 'invalid')}"
+
+
+def _count_requests(app: FastAPI, context: Context) -> None:
+    metrics = context.metrics
+
+    @app.middleware("http")
+    async def count(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        metrics.requests.labels(request.method, template, str(response.status_code)).inc()
+        metrics.latency.labels(request.method, template).observe(time.perf_counter() - started)
+        return response
+
+
+class _BodyLimit:
+    """413 for a body over the limit, whether it declares its length or streams chunks.
+
+    The body is read (FastAPI reads it whole anyway) before the app sees the request, so a
+    refusal happens before anything runs.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                await self.app(scope, _replay([], message, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, None, receive), send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = PayloadTooLargeError(
+            f"the request body exceeds {self.max_bytes} bytes (CKPT_MAX_BODY_BYTES)"
+        ).body()
+        await JSONResponse(body, status_code=413)({"type": "http"}, _disconnected, send)
+
+
+def _replay(chunks: list[bytes], last: Message | None, original: Receive) -> Receive:
+    """A receive that hands the app the buffered body, then waits on the original."""
+    messages: list[Message] = (
+        [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        if last is None
+        else [last]
+    )
+
+    async def receive() -> Message:
+        return messages.pop(0) if messages else await original()
+
+    return receive
+
+
+async def _disconnected() -> Message:
+    return {"type": "http.disconnect"}

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from ckpt.service.auth import service
+from ckpt.service.auth.schemas import TokenCreate, TokenCreated, TokenOut
+from ckpt.service.deps import ContextDep, IdPath, PrincipalDep
+
+router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
+
+
+@router.post("", status_code=201)
+def create_token(
+    request: TokenCreate, principal: PrincipalDep, context: ContextDep
+) -> TokenCreated:
+    """Create a token (admin only). The secret is in this response and nowhere else."""
+    service.require_admin(principal)
+    return service.create_token(context, request)
+
+
+@router.get("")
+def list_tokens(principal: PrincipalDep, context: ContextDep) -> list[TokenOut]:
+    service.require_admin(principal)
+    return service.list_tokens(context)
+
+
+@router.delete("/{token_id}")
+def revoke_token(token_id: IdPath, principal: PrincipalDep, context: ContextDep) -> TokenOut:
+    service.require_admin(principal)
+    return service.revoke_token(context, token_id=token_id)

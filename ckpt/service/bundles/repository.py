@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ckpt.service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, Save, utcnow
+from ckpt.service.sql import Lock, insert, locked
+
+# Rows per statement: Postgres takes at most 65535 bind parameters per query.
+_BATCH = 1000
+
+
+def get_bundle(session: Session, *, bundle_id: int, lock: Lock = Lock.NONE) -> Bundle | None:
+    return session.scalar(locked(select(Bundle).where(Bundle.id == bundle_id), lock))
+
+
+def find_bundle(session: Session, *, attempt_id: int, step: int) -> Bundle | None:
+    return session.scalar(
+        select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.step == step)
+    )
+
+
+def latest_of_attempt(
+    session: Session, *, attempt_id: int, statuses: Collection[str], below_step: int | None = None
+) -> Bundle | None:
+    query = select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.status.in_(statuses))
+    if below_step is not None:
+        query = query.where(Bundle.step < below_step)
+    return session.scalar(query.order_by(Bundle.step.desc(), Bundle.id.desc()).limit(1))
+
+
+def insert_bundle(session: Session, **values: object) -> bool:
+    """Insert a pending bundle unless its (attempt, step) exists; whether it was inserted."""
+    result = session.execute(
+        insert(session, Bundle)
+        .values(status=BundleStatus.PENDING, pinned=False, created_at=utcnow(), **values)
+        .on_conflict_do_nothing(index_elements=["attempt_id", "step"])
+        .returning(Bundle.id)
+    )
+    # rowcount is -1 on some drivers for INSERT .. ON CONFLICT; a returned row is not.
+    return result.first() is not None
+
+
+def layers_of(session: Session, *, bundle_id: int) -> list[Layer]:
+    return list(
+        session.scalars(
+            select(Layer).where(Layer.bundle_id == bundle_id).order_by(Layer.rank, Layer.id)
+        )
+    )
+
+
+def get_layer(session: Session, *, bundle_id: int, rank: int, layer: str) -> Layer | None:
+    return session.scalar(
+        select(Layer).where(Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer == layer)
+    )
+
+
+def insert_layer(
+    session: Session,
+    *,
+    bundle_id: int,
+    rank: int,
+    layer: str,
+    payload_bytes: int,
+    record: dict[str, object],
+    blobs: list[str],
+) -> bool:
+    """Insert a layer and its blob references unless it exists; whether it was inserted."""
+    result = session.execute(
+        insert(session, Layer)
+        .values(
+            bundle_id=bundle_id,
+            rank=rank,
+            layer=layer,
+            payload_bytes=payload_bytes,
+            record=record,
+            recorded_at=utcnow(),
+        )
+        .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
+        .returning(Layer.id)
+    )
+    layer_id = result.scalar()
+    if layer_id is None:
+        return False
+    rows = [{"layer_id": layer_id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
+    for start in range(0, len(rows), _BATCH):
+        statement = insert(session, LayerBlob)
+        session.execute(statement.values(rows[start : start + _BATCH]))
+    return True
+
+
+def put_save(session: Session, *, bundle_id: int, rank: int, figures: Mapping[str, float]) -> bool:
+    """Store a rank's save figures, replacing any it reported before; whether they are new."""
+    values = {**figures, "reported_at": utcnow()}
+    # Not ON CONFLICT DO UPDATE: the caller must know an insert from a replace, and only
+    # Postgres can tell them apart in RETURNING. A racing insert makes this one do nothing.
+    inserted = session.execute(
+        insert(session, Save)
+        .values(bundle_id=bundle_id, rank=rank, **values)
+        .on_conflict_do_nothing(index_elements=["bundle_id", "rank"])
+        .returning(Save.id)
+    ).first()
+    if inserted is None:
+        session.execute(
+            update(Save).where(Save.bundle_id == bundle_id, Save.rank == rank).values(**values)
+        )
+    return inserted is not None
+
+
+def get_save(session: Session, *, bundle_id: int, rank: int) -> Save | None:
+    return session.scalar(select(Save).where(Save.bundle_id == bundle_id, Save.rank == rank))
+
+
+def saves_of(session: Session, *, bundle_id: int) -> list[Save]:
+    return list(
+        session.scalars(select(Save).where(Save.bundle_id == bundle_id).order_by(Save.rank))
+    )
+
+
+def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:
+    """Insert blobs not in the catalog yet; (re)start the GC grace period of all of them.
+
+    Rows are touched in hash order so that concurrent claims never deadlock.
+    """
+    if not sizes:
+        return
+    now = utcnow()
+    ordered = sorted(sizes)
+    for start in range(0, len(ordered), _BATCH):
+        statement = insert(session, Blob).values(
+            [
+                {"sha256": sha, "size": sizes[sha], "created_at": now, "claimed_at": now}
+                for sha in ordered[start : start + _BATCH]
+            ]
+        )
+        session.execute(
+            statement.on_conflict_do_update(
+                index_elements=["sha256"], set_={"claimed_at": statement.excluded.claimed_at}
+            )
+        )
+
+
+def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
+    found: dict[str, Blob] = {}
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        chunk = ordered[start : start + _BATCH]
+        found.update(
+            (b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk)))
+        )
+    return found
+
+
+def mark_verified(session: Session, *, sizes: Mapping[str, int], at: datetime) -> None:
+    """Record that these blobs were read back with these sizes and matching SHA-256s."""
+    ordered = sorted(sizes)
+    for start in range(0, len(ordered), _BATCH):
+        chunk = ordered[start : start + _BATCH]
+        # Lock in hash order first, as claim_blobs does: an UPDATE locks in scan order.
+        session.execute(
+            select(Blob.sha256)
+            .where(Blob.sha256.in_(chunk))
+            .order_by(Blob.sha256)
+            .with_for_update()
+        )
+        session.execute(
+            update(Blob),
+            [{"sha256": sha, "size": sizes[sha], "verified_at": at} for sha in chunk],
+        )
+
+
+def add_bundle(session: Session, **values: object) -> Bundle:
+    bundle = Bundle(pinned=False, created_at=utcnow(), **values)
+    session.add(bundle)
+    session.flush()
+    return bundle
+
+
+def run_steps(session: Session, *, run_id: int, statuses: Collection[str]) -> dict[int, Bundle]:
+    """The run's bundles in these statuses by step (the newest id wins a shared step)."""
+    rows = session.scalars(
+        select(Bundle)
+        .where(Bundle.run_id == run_id, Bundle.status.in_(statuses))
+        .order_by(Bundle.id)
+    )
+    return {bundle.step: bundle for bundle in rows}

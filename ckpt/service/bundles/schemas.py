@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ckpt.core.contract import BlobRef, LayerRecord, Manifest, Versions
+from ckpt.service.completeness import Missing, Part
+from ckpt.service.names import MAX_ID, Id, Step
+
+Epoch = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BundleOpen(_Request):
+    attempt_id: Id
+    epoch: Epoch
+    step: Step
+    # 16384 ranks: the largest jobs of today; a 409 then lists up to 98304 missing parts.
+    world_size: Annotated[int, Field(ge=1, le=16384, strict=True)]
+    versions: Versions
+
+
+class LayerPut(_Request):
+    epoch: Epoch
+    record: LayerRecord
+
+
+class Commit(_Request):
+    epoch: Epoch
+
+
+class BlobsQuery(_Request):
+    blobs: Annotated[list[BlobRef], Field(max_length=100_000)]
+
+
+class BlobsMissing(BaseModel):
+    missing: list[str]
+
+
+class Quarantine(_Request):
+    reason: Annotated[str, Field(min_length=1, max_length=2000, pattern=r"^[^\x00]*$")]
+
+
+class BundlePatch(_Request):
+    pinned: bool
+
+
+class RecordedLayer(Part):
+    payload_bytes: int
+    num_blobs: int
+
+
+class SaveOut(BaseModel):
+    """One rank's save figures (see ``ckpt.core.contract.SaveFigures``) and when they came."""
+
+    model_config = ConfigDict(from_attributes=True)  # built from a ``Save`` row
+
+    rank: int
+    stall_seconds: float
+    persist_seconds: float
+    payload_bytes: int
+    new_bytes: int
+    reported_at: datetime
+
+
+class BundleOut(BaseModel):
+    id: int
+    run: str
+    step: int
+    world_size: int
+    status: str
+    reason: str | None
+    attempt_id: int | None
+    parent_id: int | None
+    pinned: bool
+    created_at: datetime
+    committed_at: datetime | None
+    recorded: list[RecordedLayer]
+    missing_layers: list[Part]  # per rank, per layer: what is not recorded yet
+    manifest: Manifest | None
+    saves: list[SaveOut]  # by rank: the figures the ranks reported
+
+
+class Committed(BaseModel):
+    bundle: BundleOut
+    head_id: int | None
+
+
+class IncompleteBody(BaseModel):
+    """The body of a 409 ``incomplete`` commit (documented for clients)."""
+
+    error: str = "incomplete"
+    message: str
+    missing: Missing

@@ -1,0 +1,113 @@
+"""What a bundle still lacks before it may become complete: one pure function, no I/O."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from ckpt.core.contract import RESTORE_ORDER, Layer, LayerRecord
+
+
+class BlobProblem(enum.StrEnum):
+    ABSENT = "absent"
+    WRONG_SIZE = "wrong_size"
+    WRONG_HASH = "wrong_hash"
+
+
+@dataclass(frozen=True)
+class StoredBlob:
+    """What the store holds under a blob's key: its size (None: absent) and whether its
+    SHA-256 matched (None: not read, because the catalog verified it before)."""
+
+    size: int | None
+    sha256_ok: bool | None = None
+
+
+class Part(BaseModel):
+    rank: int
+    layer: Layer
+
+
+class BadBlob(BaseModel):
+    sha256: str
+    size: int  # what the layer records say
+    problem: BlobProblem
+    found_size: int | None  # what the store holds (None: nothing)
+    used_by: list[Part]
+
+
+class Missing(BaseModel):
+    """Everything that keeps a bundle from being complete; empty when nothing does."""
+
+    ranks: list[int] = []  # ranks that recorded no layer at all
+    layers: list[Part] = []  # every unrecorded (rank, layer), those ranks' included
+    blobs: list[BadBlob] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.layers or self.blobs)
+
+
+def missing(
+    *,
+    world_size: int,
+    recorded: Mapping[tuple[int, Layer], LayerRecord],
+    stored: Mapping[str, StoredBlob],
+) -> Missing:
+    """What ``recorded`` layers and ``stored`` blobs lack for a complete bundle.
+
+    Every rank below ``world_size`` needs all six layers; every blob a recorded layer
+    references must be in ``stored`` with the recorded size and a matching SHA-256.
+    """
+    layers = missing_layers(world_size=world_size, recorded=recorded.keys())
+    ranks = [
+        rank
+        for rank in range(world_size)
+        if not any((rank, layer) in recorded for layer in RESTORE_ORDER)
+    ]
+    usage: dict[str, tuple[int, list[Part]]] = {}
+    in_order = sorted(
+        recorded.items(), key=lambda item: (item[0][0], RESTORE_ORDER.index(item[0][1]))
+    )
+    for (rank, layer), record in in_order:
+        for blob in record.blobs:
+            size, parts = usage.setdefault(blob.sha256, (blob.size, []))
+            if Part(rank=rank, layer=layer) not in parts:
+                parts.append(Part(rank=rank, layer=layer))
+    blobs = []
+    for sha256, (size, parts) in sorted(usage.items()):
+        problem = _problem(size, stored.get(sha256, StoredBlob(size=None)))
+        if problem is not None:
+            found = stored.get(sha256)
+            blobs.append(
+                BadBlob(
+                    sha256=sha256,
+                    size=size,
+                    problem=problem,
+                    found_size=found.size if found else None,
+                    used_by=parts,
+                )
+            )
+    return Missing(ranks=ranks, layers=layers, blobs=blobs)
+
+
+def missing_layers(*, world_size: int, recorded: Collection[tuple[int, Layer]]) -> list[Part]:
+    """Every (rank, layer) below ``world_size`` that is not in ``recorded``, rank by rank."""
+    return [
+        Part(rank=rank, layer=layer)
+        for rank in range(world_size)
+        for layer in RESTORE_ORDER
+        if (rank, layer) not in recorded
+    ]
+
+
+def _problem(size: int, found: StoredBlob) -> BlobProblem | None:
+    if found.size is None:
+        return BlobProblem.ABSENT
+    if found.size != size:
+        return BlobProblem.WRONG_SIZE
+    if found.sha256_ok is False:
+        return BlobProblem.WRONG_HASH
+    return None

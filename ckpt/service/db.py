@@ -1,0 +1,94 @@
+"""The database seam: engines, the one place transactions commit, and migrations."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy.orm import Session, sessionmaker
+
+Transaction = Callable[[], AbstractContextManager[Session]]
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; SQLite gets foreign keys, WAL and write-locking transactions."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        if parsed.drivername == "postgresql":
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        # More connections than FastAPI's 40 worker threads: a request never waits on the pool.
+        return create_engine(parsed, pool_pre_ping=True, pool_size=20, max_overflow=30)
+    if parsed.database and parsed.database != ":memory:":
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when a transaction begins.
+        connection.isolation_level = None
+        cursor = connection.cursor()
+        cursor.execute("PRAGMA foreign_keys = ON")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA busy_timeout = 60000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        # SQLite has no row locks: taking the write lock up front serializes writers the way
+        # Postgres's row locks do, and avoids deadlocks from read-to-write lock upgrades.
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def transactions(engine: Engine) -> Transaction:
+    """A factory of units of work: each commits on success and rolls back on any exception."""
+    factory = sessionmaker(engine, expire_on_commit=False)
+
+    @contextmanager
+    def transaction() -> Iterator[Session]:
+        with factory() as session, session.begin():
+            yield session
+
+    return transaction
+
+
+def migrations_dir() -> Path:
+    """``ckpt/migrations``: the package next to this one (found by path, not imported)."""
+    return Path(__file__).resolve().parents[1] / "migrations"
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.attributes["database_url"] = url
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Bring the schema to ``revision`` (under a lock on Postgres: replicas may race)."""
+    from alembic import command
+
+    command.upgrade(alembic_config(url), revision)
+
+
+def schema_revision(engine: Engine) -> tuple[str | None, str]:
+    """(the database's revision, the migrations' head)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
+    assert head is not None
+    with engine.connect() as connection:
+        current = MigrationContext.configure(connection).get_current_revision()
+    return current, head
+
+
+def ping(engine: Engine) -> None:
+    with engine.connect() as connection:
+        connection.execute(text("SELECT 1"))

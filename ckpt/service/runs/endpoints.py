@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RunPath
+from ckpt.service.names import PRINTABLE
+from ckpt.service.runs import service
+from ckpt.service.runs.schemas import (
+    AttemptCreate,
+    AttemptEnd,
+    AttemptOut,
+    AttemptRegistered,
+    Heartbeat,
+    Lineage,
+    ResumePoint,
+    RetentionPatch,
+    RollbackOut,
+    RollbackRequest,
+    RunCreate,
+    RunOut,
+    RunPage,
+)
+
+router = APIRouter(prefix="/v1", tags=["runs"])
+
+
+@router.post("/runs", status_code=201)
+def create_run(request: RunCreate, principal: PrincipalDep, context: ContextDep) -> RunOut:
+    """Create a run (optionally with its retention policy)."""
+    return service.create_run(context, principal, request)
+
+
+@router.get("/runs")
+def list_runs(
+    principal: PrincipalDep,
+    context: ContextDep,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    after: Annotated[
+        str | None, Query(max_length=128, pattern=PRINTABLE, description="the previous page's next")
+    ] = None,
+    prefix: Annotated[
+        str | None, Query(max_length=128, pattern=PRINTABLE, description="names starting with this")
+    ] = None,
+) -> RunPage:
+    """Runs by name, a page at a time."""
+    return service.list_runs(context, principal, after=after, limit=limit, prefix=prefix)
+
+
+@router.get("/runs/{run}")
+def get_run(run: RunPath, principal: PrincipalDep, context: ContextDep) -> RunOut:
+    return service.get_run(context, principal, name=run)
+
+
+@router.patch("/runs/{run}")
+def patch_run(
+    run: RunPath, patch: RetentionPatch, principal: PrincipalDep, context: ContextDep
+) -> RunOut:
+    """Change the run's retention policy."""
+    return service.patch_retention(context, principal, name=run, patch=patch)
+
+
+@router.post("/runs/{run}/attempts", status_code=201)
+def register_attempt(
+    run: RunPath, request: AttemptCreate, principal: PrincipalDep, context: ContextDep
+) -> AttemptRegistered:
+    """Register an attempt and get what it resumes from; fences every older attempt."""
+    return service.register_attempt(context, principal, name=run, request=request)
+
+
+@router.post("/attempts/{attempt}/heartbeat")
+def heartbeat(
+    attempt: IdPath, beat: Heartbeat, principal: PrincipalDep, context: ContextDep
+) -> AttemptOut:
+    """Report that the attempt is alive (and its step); 409 once it is fenced. An attempt
+    marked lost that heartbeats again is alive again."""
+    return service.heartbeat(context, principal, attempt_id=attempt, beat=beat)
+
+
+@router.post("/attempts/{attempt}/end")
+def end_attempt(
+    attempt: IdPath, end: AttemptEnd, principal: PrincipalDep, context: ContextDep
+) -> AttemptOut:
+    """Record how the attempt ended: finished, preempted or failed (replacing "lost", the
+    service's verdict on an attempt whose heartbeats lapsed)."""
+    return service.end_attempt(context, principal, attempt_id=attempt, end=end)
+
+
+@router.get("/runs/{run}/resumable")
+def resumable(run: RunPath, principal: PrincipalDep, context: ContextDep) -> ResumePoint:
+    """The latest resumable bundle of the run's live branch; 404 when there is none."""
+    return service.resumable(context, principal, name=run)
+
+
+@router.get("/runs/{run}/lineage")
+def lineage(run: RunPath, principal: PrincipalDep, context: ContextDep) -> Lineage:
+    """Attempts, bundles, parent and resume edges, rollbacks and forks of the run."""
+    return service.get_lineage(context, principal, name=run)
+
+
+@router.post("/runs/{run}/rollback")
+def rollback(
+    run: RunPath, request: RollbackRequest, principal: PrincipalDep, context: ContextDep
+) -> RollbackOut:
+    """Make an older complete bundle the head: the next attempt resumes from it."""
+    return service.rollback(context, principal, name=run, request=request)

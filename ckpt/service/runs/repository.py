@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ckpt.service.lineage import AttemptNode
+from ckpt.service.models import Attempt, Bundle, EndReason, Rollback, Run, utcnow
+from ckpt.service.sql import Lock, insert, locked
+
+
+def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | None:
+    return session.scalar(locked(select(Run).where(Run.name == name), lock))
+
+
+def get_run_by_id(session: Session, *, run_id: int, lock: Lock = Lock.NONE) -> Run:
+    run = session.scalar(locked(select(Run).where(Run.id == run_id), lock))
+    assert run is not None, f"run {run_id} vanished"
+    return run
+
+
+def ensure_run(
+    session: Session, *, name: str, keep_last: int | None = None, keep_every: int | None = None
+) -> tuple[Run, bool]:
+    """The run, locked for update, created if absent; and whether it was created."""
+    result = session.execute(
+        insert(session, Run)
+        .values(name=name, created_at=utcnow(), epoch=0, keep_last=keep_last, keep_every=keep_every)
+        .on_conflict_do_nothing(index_elements=["name"])
+        .returning(Run.id)
+    )
+    created = result.first() is not None
+    run = get_run(session, name=name, lock=Lock.UPDATE)
+    assert run is not None
+    return run, created
+
+
+def page_runs(session: Session, *, after: str | None, limit: int, prefix: str | None) -> list[Run]:
+    query = select(Run).order_by(Run.name).limit(limit)
+    if after is not None:
+        query = query.where(Run.name > after)
+    if prefix:
+        query = query.where(Run.name.startswith(prefix, autoescape=True))
+    return list(session.scalars(query))
+
+
+def count_bundles(session: Session, *, run_id: int) -> dict[str, int]:
+    rows = session.execute(
+        select(Bundle.status, func.count()).where(Bundle.run_id == run_id).group_by(Bundle.status)
+    )
+    return {status: count for status, count in rows}
+
+
+def add_attempt(
+    session: Session,
+    *,
+    run: Run,
+    pod: str | None,
+    node: str | None,
+    resumed_from_id: int | None,
+) -> Attempt:
+    attempt = Attempt(
+        run_id=run.id,
+        epoch=run.epoch,
+        pod=pod,
+        node=node,
+        started_at=utcnow(),
+        resumed_from_id=resumed_from_id,
+    )
+    session.add(attempt)
+    session.flush()
+    return attempt
+
+
+def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) -> Attempt | None:
+    return session.scalar(locked(select(Attempt).where(Attempt.id == attempt_id), lock))
+
+
+def run_attempts(session: Session, *, run_id: int) -> list[Attempt]:
+    return list(
+        session.scalars(select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.epoch))
+    )
+
+
+def next_attempt(session: Session, *, run_id: int, epoch: int) -> Attempt | None:
+    """The run's attempt that registered after the one at ``epoch``."""
+    return session.scalar(
+        select(Attempt)
+        .where(Attempt.run_id == run_id, Attempt.epoch > epoch)
+        .order_by(Attempt.epoch)
+        .limit(1)
+    )
+
+
+def last_attempt(session: Session, *, run_id: int) -> Attempt | None:
+    return session.scalar(
+        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.epoch.desc()).limit(1)
+    )
+
+
+def attempt_nodes(session: Session, *, run_id: int) -> list[AttemptNode]:
+    """The run's attempts with the step each resumed from: what steps lost are made of."""
+    rows = session.execute(
+        select(Attempt.id, Attempt.epoch, Attempt.last_step, Attempt.end_reason, Bundle.step)
+        .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
+        .where(Attempt.run_id == run_id)
+    )
+    return [
+        AttemptNode(id=id_, epoch=epoch, last_step=last_step, end_reason=reason, resumed_step=step)
+        for id_, epoch, last_step, reason, step in rows
+    ]
+
+
+def mark_lost(session: Session, *, silent_since: datetime, now: datetime) -> list[Attempt]:
+    """End as lost, at ``now``, every attempt not ended whose last heartbeat (or, without one,
+    its registration) is older than ``silent_since``; returns them.
+
+    Locks as heartbeats and ends do, runs before attempts: a heartbeat in flight either
+    commits first (and Postgres re-checks the row, which is then no longer silent) or waits.
+    """
+    last_sign = func.coalesce(Attempt.heartbeat_at, Attempt.started_at)
+    silent = (Attempt.ended_at.is_(None), last_sign < silent_since)
+    run_ids = list(
+        session.scalars(select(Attempt.run_id).where(*silent).distinct().order_by(Attempt.run_id))
+    )
+    if not run_ids:
+        return []
+    session.execute(locked(select(Run.id).where(Run.id.in_(run_ids)).order_by(Run.id), Lock.SHARE))
+    lost = list(
+        session.scalars(
+            locked(
+                select(Attempt).where(*silent, Attempt.run_id.in_(run_ids)).order_by(Attempt.id),
+                Lock.NO_KEY_UPDATE,
+            )
+        )
+    )
+    for attempt in lost:
+        attempt.ended_at = now
+        attempt.end_reason = EndReason.LOST
+    session.flush()
+    return lost
+
+
+def run_bundles(session: Session, *, run_id: int) -> list[Bundle]:
+    return list(session.scalars(select(Bundle).where(Bundle.run_id == run_id).order_by(Bundle.id)))
+
+
+def add_rollback(
+    session: Session, *, run: Run, from_bundle_id: int | None, to_bundle_id: int
+) -> Rollback:
+    rollback = Rollback(
+        run_id=run.id,
+        from_bundle_id=from_bundle_id,
+        to_bundle_id=to_bundle_id,
+        epoch=run.epoch,
+        created_at=utcnow(),
+    )
+    session.add(rollback)
+    session.flush()
+    return rollback
+
+
+def run_rollbacks(session: Session, *, run_id: int) -> list[Rollback]:
+    return list(
+        session.scalars(select(Rollback).where(Rollback.run_id == run_id).order_by(Rollback.id))
+    )

@@ -1,0 +1,161 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ckpt.core.contract import Manifest
+from ckpt.service.names import PRINTABLE, Id, RunName, Step
+
+Count = Annotated[int, Field(ge=1, le=1_000_000)]
+Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=PRINTABLE)]
+# How an attempt says it ended (an EndReason); "lost" is the service's verdict, never reported.
+ReportedEnd = Literal["finished", "preempted", "failed"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RunCreate(_Request):
+    name: RunName
+    keep_last: Count | None = None
+    keep_every: Count | None = None
+
+
+class RetentionPatch(_Request):
+    """The run's retention policy; a field left out is unchanged, ``null`` clears it."""
+
+    keep_last: Count | None = None
+    keep_every: Count | None = None
+
+
+class BundleRef(BaseModel):
+    id: int
+    step: int
+    status: str
+
+
+class RunOut(BaseModel):
+    name: str
+    created_at: datetime
+    epoch: int
+    head: BundleRef | None
+    resumable: BundleRef | None
+    keep_last: int | None
+    keep_every: int | None
+    num_bundles: dict[str, int]
+    steps_lost_total: int = Field(
+        description="the sum of the attempts' steps_lost: steps trained again after endings"
+    )
+
+
+class RunPage(BaseModel):
+    runs: list[RunOut]
+    next: str | None = Field(description="pass as ?after= for the next page; null at the end")
+
+
+class AttemptCreate(_Request):
+    pod: Hostname | None = None
+    node: Hostname | None = None
+    resume: bool = Field(
+        default=True, description="false: start fresh, even where the run has a head"
+    )
+
+
+class ResumePoint(BaseModel):
+    bundle_id: int
+    step: int
+    manifest: Manifest
+
+
+class AttemptRegistered(BaseModel):
+    attempt_id: int
+    run: str
+    epoch: int
+    resume_from: ResumePoint | None
+
+
+class Heartbeat(_Request):
+    step: Step | None = None
+
+
+class AttemptEnd(_Request):
+    reason: ReportedEnd
+    final_save_committed: bool = False
+    step: Step | None = None
+
+
+class AttemptOut(BaseModel):
+    id: int
+    run: str
+    epoch: int
+    pod: str | None
+    node: str | None
+    started_at: datetime
+    heartbeat_at: datetime | None
+    last_step: int | None
+    ended_at: datetime | None
+    end_reason: str | None
+    final_save_committed: bool | None
+    resumed_from_id: int | None
+    fenced: bool
+    steps_lost: int | None = Field(
+        description="steps this attempt trained past the bundle its successor resumed from; "
+        "null while it runs, has no successor, reported no step, or finished"
+    )
+
+
+class RollbackRequest(_Request):
+    bundle_id: Id
+
+
+class RollbackOut(BaseModel):
+    run: str
+    epoch: int
+    from_bundle_id: int | None
+    head: BundleRef
+
+
+class LineageBundle(BaseModel):
+    id: int
+    step: int
+    status: str
+    attempt_id: int | None
+    parent_id: int | None
+    pinned: bool
+    created_at: datetime
+    committed_at: datetime | None
+    live: bool  # on the live branch (the head and its ancestors)
+
+
+class Edge(BaseModel):
+    parent: int
+    child: int
+
+
+class ResumeEdge(BaseModel):
+    bundle: int
+    attempt: int
+
+
+class RollbackEvent(BaseModel):
+    from_bundle_id: int | None
+    to_bundle_id: int
+    epoch: int
+    created_at: datetime
+
+
+class Lineage(BaseModel):
+    run: str
+    epoch: int
+    head_id: int | None
+    resumable_id: int | None
+    live_branch: list[int]  # the head first, then its ancestors
+    attempts: list[AttemptOut]
+    bundles: list[LineageBundle]
+    parent_edges: list[Edge]
+    resume_edges: list[ResumeEdge]
+    rollbacks: list[RollbackEvent]
+    forks: list[int]

@@ -1,0 +1,408 @@
+"""Runs and their attempts: registration (with fencing and the resume decision), heartbeats,
+lost attempts, steps lost, rollback, lineage and the latest-resumable query."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from ckpt.core.contract import Manifest
+from ckpt.service import lineage
+from ckpt.service.auth.service import Principal, require_read, require_write
+from ckpt.service.context import Context
+from ckpt.service.errors import ConflictError, FencedError, NotFoundError
+from ckpt.service.lineage import AttemptNode, Node
+from ckpt.service.metrics import Metrics
+from ckpt.service.models import Attempt, Bundle, BundleStatus, EndReason, Role, Run, utcnow
+from ckpt.service.runs import repository
+from ckpt.service.runs.schemas import (
+    AttemptCreate,
+    AttemptEnd,
+    AttemptOut,
+    AttemptRegistered,
+    BundleRef,
+    Edge,
+    Heartbeat,
+    Lineage,
+    LineageBundle,
+    ResumeEdge,
+    ResumePoint,
+    RetentionPatch,
+    RollbackEvent,
+    RollbackOut,
+    RollbackRequest,
+    RunCreate,
+    RunOut,
+    RunPage,
+)
+from ckpt.service.sql import Lock
+
+log = logging.getLogger("ckpt.runs")
+
+
+def create_run(context: Context, principal: Principal, request: RunCreate) -> RunOut:
+    require_write(principal, request.name)
+    with context.transaction() as session:
+        run, created = repository.ensure_run(
+            session, name=request.name, keep_last=request.keep_last, keep_every=request.keep_every
+        )
+        if not created:
+            raise ConflictError(f"run {request.name!r} exists; PATCH it to change its retention")
+        return run_out(session, run)
+
+
+def get_run(context: Context, principal: Principal, *, name: str) -> RunOut:
+    require_read(principal, name)
+    with context.transaction() as session:
+        return run_out(session, _run(session, name))
+
+
+def list_runs(
+    context: Context, principal: Principal, *, after: str | None, limit: int, prefix: str | None
+) -> RunPage:
+    if principal.role is Role.RUN:  # a run token sees its own run only
+        assert principal.run is not None
+        prefix_ok = prefix is None or principal.run.startswith(prefix)
+        after_ok = after is None or principal.run > after
+        names = [principal.run] if prefix_ok and after_ok else []
+    with context.transaction() as session:
+        if principal.role is Role.RUN:
+            runs = [r for name in names if (r := repository.get_run(session, name=name))]
+        else:
+            runs = repository.page_runs(session, after=after, limit=limit + 1, prefix=prefix)
+        page = [run_out(session, run) for run in runs[:limit]]
+        return RunPage(runs=page, next=page[-1].name if len(runs) > limit else None)
+
+
+def patch_retention(
+    context: Context, principal: Principal, *, name: str, patch: RetentionPatch
+) -> RunOut:
+    require_write(principal, name)
+    with context.transaction() as session:
+        run = _run(session, name, lock=Lock.UPDATE)
+        for field in patch.model_fields_set:
+            setattr(run, field, getattr(patch, field))
+        return run_out(session, run)
+
+
+def register_attempt(
+    context: Context, principal: Principal, *, name: str, request: AttemptCreate
+) -> AttemptRegistered:
+    """Register a new attempt of the run (creating the run if need be) and decide what it
+    resumes from. Its epoch fences every older attempt."""
+    require_write(principal, name)
+    with context.transaction() as session:
+        run, _ = repository.ensure_run(session, name=name)
+        run.epoch += 1
+        start = resumable_bundle(session, run) if request.resume else None
+        previous = repository.last_attempt(session, run_id=run.id)
+        attempt = repository.add_attempt(
+            session,
+            run=run,
+            pod=request.pod,
+            node=request.node,
+            resumed_from_id=start.id if start else None,
+        )
+        context.metrics.attempts.inc()
+        if previous is not None:  # an ended predecessor's steps lost are known now
+            _count_steps_lost(context.metrics, before=None, after=_steps_lost(session, previous))
+        return AttemptRegistered(
+            attempt_id=attempt.id,
+            run=run.name,
+            epoch=attempt.epoch,
+            resume_from=_resume_point(start),
+        )
+
+
+def heartbeat(
+    context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
+) -> AttemptOut:
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if attempt.epoch != run.epoch:
+            raise FencedError(
+                f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
+                f"epoch {run.epoch}; stop writing and exit"
+            )
+        attempt.heartbeat_at = utcnow()
+        if beat.step is not None:
+            attempt.last_step = beat.step
+        if attempt.end_reason == EndReason.LOST:  # it was alive after all (a partition)
+            attempt.ended_at = attempt.end_reason = None
+        # Not fenced, so no successor has registered: nothing is lost yet.
+        return attempt_out(attempt, run, steps_lost=None)
+
+
+def end_attempt(
+    context: Context, principal: Principal, *, attempt_id: int, end: AttemptEnd
+) -> AttemptOut:
+    """Record how an attempt ended (accepted from fenced attempts too: it is history). An
+    attempt marked lost that reports its end was alive after all: its report replaces the
+    verdict."""
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
+            if attempt.end_reason == end.reason:
+                return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
+            raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
+        before = _steps_lost(session, attempt)
+        attempt.ended_at = utcnow()
+        attempt.end_reason = end.reason
+        attempt.final_save_committed = end.final_save_committed
+        if end.step is not None:
+            attempt.last_step = end.step
+        after = _steps_lost(session, attempt)
+        _count_steps_lost(context.metrics, before=before, after=after)
+        return attempt_out(attempt, run, steps_lost=after)
+
+
+def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
+    """End as lost every attempt that has not ended and whose last heartbeat (or, without
+    one, its registration) is older than ``lost_after_seconds`` at ``now``; one transaction.
+    Returns their ids. The server runs it periodically; tests pass a ``now`` of their own.
+    """
+    now = now or utcnow()
+    silent_since = now - timedelta(seconds=context.settings.lost_after_seconds)
+    with context.transaction() as session:
+        lost = repository.mark_lost(session, silent_since=silent_since, now=now)
+        steps = [_steps_lost(session, attempt) for attempt in lost]
+    context.metrics.attempts_lost.inc(len(lost))
+    for attempt, lost_steps in zip(lost, steps, strict=True):
+        _count_steps_lost(context.metrics, before=None, after=lost_steps)
+        log.warning(
+            "attempt %d (run %d, epoch %d) is lost: no heartbeat for %.0f s (last step %s)",
+            attempt.id,
+            attempt.run_id,
+            attempt.epoch,
+            context.settings.lost_after_seconds,
+            attempt.last_step,
+        )
+    return [attempt.id for attempt in lost]
+
+
+def rollback(
+    context: Context, principal: Principal, *, name: str, request: RollbackRequest
+) -> RollbackOut:
+    """Make an older complete bundle the head. Bumps the epoch: every attempt is fenced, and
+    the next one resumes from that bundle."""
+    require_write(principal, name)
+    with context.transaction() as session:
+        run = _run(session, name, lock=Lock.UPDATE)
+        target = session.get(Bundle, request.bundle_id)
+        if target is None or target.run_id != run.id:
+            raise NotFoundError(f"run {name!r} has no bundle {request.bundle_id}")
+        if target.status != BundleStatus.COMPLETE:
+            raise ConflictError(
+                f"bundle {target.id} is {target.status}; only a complete bundle can become the head"
+            )
+        previous = run.head_bundle_id
+        run.epoch += 1
+        run.head_bundle_id = target.id
+        repository.add_rollback(session, run=run, from_bundle_id=previous, to_bundle_id=target.id)
+        return RollbackOut(
+            run=run.name, epoch=run.epoch, from_bundle_id=previous, head=_ref(target)
+        )
+
+
+def resumable(context: Context, principal: Principal, *, name: str) -> ResumePoint:
+    require_read(principal, name)
+    with context.transaction() as session:
+        run = _run(session, name)
+        point = _resume_point(resumable_bundle(session, run))
+        if point is None:
+            raise NotFoundError(
+                f"run {name!r} has no resumable bundle yet: no bundle of its live branch is "
+                "complete (every rank's six layers recorded and every blob verified)"
+            )
+        return point
+
+
+def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage:
+    require_read(principal, name)
+    with context.transaction() as session:
+        run = _run(session, name)
+        bundles = repository.run_bundles(session, run_id=run.id)
+        nodes = {b.id: node(b) for b in bundles}
+        live = lineage.ancestry(run.head_bundle_id, nodes)
+        start = lineage.resumable(run.head_bundle_id, nodes)
+        attempts = repository.run_attempts(session, run_id=run.id)
+        steps = {b.id: b.step for b in bundles}
+        lost = lineage.steps_lost_by_attempt(_attempt_node(a, steps.get) for a in attempts)
+        return Lineage(
+            run=run.name,
+            epoch=run.epoch,
+            head_id=run.head_bundle_id,
+            resumable_id=start.id if start else None,
+            live_branch=live,
+            attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
+            bundles=[_lineage_bundle(b, live=b.id in live) for b in bundles],
+            parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
+            resume_edges=[
+                ResumeEdge(bundle=a.resumed_from_id, attempt=a.id)
+                for a in attempts
+                if a.resumed_from_id is not None
+            ],
+            rollbacks=[
+                RollbackEvent(
+                    from_bundle_id=r.from_bundle_id,
+                    to_bundle_id=r.to_bundle_id,
+                    epoch=r.epoch,
+                    created_at=r.created_at,
+                )
+                for r in repository.run_rollbacks(session, run_id=run.id)
+            ],
+            forks=lineage.forks(nodes.values()),
+        )
+
+
+# Shared with the bundles service.
+
+
+def node(bundle: Bundle) -> Node:
+    return Node(
+        id=bundle.id,
+        step=bundle.step,
+        status=bundle.status,
+        parent_id=bundle.parent_id,
+        attempt_id=bundle.attempt_id,
+    )
+
+
+def catalog_nodes(session: Session) -> Callable[[int], Node | None]:
+    """Look bundles up one by one (the session caches them): walks from the head read only
+    the bundles they pass, not the whole run."""
+
+    def lookup(bundle_id: int) -> Node | None:
+        bundle = session.get(Bundle, bundle_id)
+        return node(bundle) if bundle else None
+
+    return lookup
+
+
+def resumable_bundle(session: Session, run: Run) -> Bundle | None:
+    """The newest complete bundle of the run's live branch."""
+    found = lineage.resumable(run.head_bundle_id, catalog_nodes(session))
+    return session.get(Bundle, found.id) if found else None
+
+
+def run_out(session: Session, run: Run) -> RunOut:
+    head = session.get(Bundle, run.head_bundle_id) if run.head_bundle_id else None
+    start = resumable_bundle(session, run)
+    return RunOut(
+        name=run.name,
+        created_at=run.created_at,
+        epoch=run.epoch,
+        head=_ref(head) if head else None,
+        resumable=_ref(start) if start else None,
+        keep_last=run.keep_last,
+        keep_every=run.keep_every,
+        num_bundles=repository.count_bundles(session, run_id=run.id),
+        steps_lost_total=sum(
+            lost
+            for lost in lineage.steps_lost_by_attempt(
+                repository.attempt_nodes(session, run_id=run.id)
+            ).values()
+            if lost is not None
+        ),
+    )
+
+
+def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> AttemptOut:
+    return AttemptOut(
+        id=attempt.id,
+        run=run.name,
+        epoch=attempt.epoch,
+        pod=attempt.pod,
+        node=attempt.node,
+        started_at=attempt.started_at,
+        heartbeat_at=attempt.heartbeat_at,
+        last_step=attempt.last_step,
+        ended_at=attempt.ended_at,
+        end_reason=attempt.end_reason,
+        final_save_committed=attempt.final_save_committed,
+        resumed_from_id=attempt.resumed_from_id,
+        fenced=attempt.epoch != run.epoch,
+        steps_lost=steps_lost,
+    )
+
+
+def _run(session: Session, name: str, *, lock: Lock = Lock.NONE) -> Run:
+    run = repository.get_run(session, name=name, lock=lock)
+    if run is None:
+        raise NotFoundError(f"no run named {name!r}")
+    return run
+
+
+def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
+    """The attempt locked for a change, its run share-locked: the run first, as every
+    other write locks (opening a bundle locks the run, then references the attempt)."""
+    found = repository.get_attempt(session, attempt_id=attempt_id)
+    if found is None:
+        raise NotFoundError(f"no attempt with id {attempt_id}")
+    run = repository.get_run_by_id(session, run_id=found.run_id, lock=Lock.SHARE)
+    require_write(principal, run.name)
+    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
+    assert attempt is not None
+    return attempt, run
+
+
+def _steps_lost(session: Session, attempt: Attempt) -> int | None:
+    """The attempt's steps lost, as the catalog stands in this transaction."""
+    successor = repository.next_attempt(session, run_id=attempt.run_id, epoch=attempt.epoch)
+
+    def step_of(bundle_id: int) -> int | None:
+        bundle = session.get(Bundle, bundle_id)
+        return bundle.step if bundle else None
+
+    return lineage.steps_lost(
+        _attempt_node(attempt, step_of),
+        _attempt_node(successor, step_of) if successor else None,
+    )
+
+
+def _attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> AttemptNode:
+    resumed = attempt.resumed_from_id
+    return AttemptNode(
+        id=attempt.id,
+        epoch=attempt.epoch,
+        last_step=attempt.last_step,
+        end_reason=attempt.end_reason,
+        resumed_step=step_of(resumed) if resumed is not None else None,
+    )
+
+
+def _count_steps_lost(metrics: Metrics, *, before: int | None, after: int | None) -> None:
+    """Count what a change made newly known (a lost attempt that reports its end may have
+    reported a later step)."""
+    if after is not None and after > (before or 0):
+        metrics.steps_lost.inc(after - (before or 0))
+
+
+def _ref(bundle: Bundle) -> BundleRef:
+    return BundleRef(id=bundle.id, step=bundle.step, status=bundle.status)
+
+
+def _resume_point(bundle: Bundle | None) -> ResumePoint | None:
+    if bundle is None:
+        return None
+    assert bundle.manifest is not None, "a complete bundle has a manifest"
+    return ResumePoint(
+        bundle_id=bundle.id, step=bundle.step, manifest=Manifest.model_validate(bundle.manifest)
+    )
+
+
+def _lineage_bundle(bundle: Bundle, *, live: bool) -> LineageBundle:
+    return LineageBundle(
+        id=bundle.id,
+        step=bundle.step,
+        status=bundle.status,
+        attempt_id=bundle.attempt_id,
+        parent_id=bundle.parent_id,
+        pinned=bundle.pinned,
+        created_at=bundle.created_at,
+        committed_at=bundle.committed_at,
+        live=live,
+    )
