@@ -452,6 +452,7 @@ def main() -> None:
     parser.add_argument("--s3-endpoint", default=None, help="default: start moto_server")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     args = parser.parse_args()
+    os.environ.setdefault("CKPT_QUIET", "1")  # the table, not a line per save
 
     model, optimizer = build(args.width, args.layers)
     tensors = state_tensors(model, optimizer)

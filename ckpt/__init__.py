@@ -13,10 +13,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt.agent.checkpointer import Checkpointer, PendingSave, ResumeResult, SaveResult
+    from ckpt.agent.checkpointer import Checkpointer
     from ckpt.agent.config import InFlight
     from ckpt.agent.counters import Counters
     from ckpt.agent.data import PerSampleRNG, ResumableSampler
+    from ckpt.agent.persist import PendingSave, SaveResult
+    from ckpt.agent.restore import ResumeResult
     from ckpt.core.contract import Layer
     from ckpt.core.errors import (
         BundleExistsError,
@@ -33,9 +35,9 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "Checkpointer": "ckpt.agent.checkpointer",
-    "ResumeResult": "ckpt.agent.checkpointer",
-    "SaveResult": "ckpt.agent.checkpointer",
-    "PendingSave": "ckpt.agent.checkpointer",
+    "ResumeResult": "ckpt.agent.restore",
+    "SaveResult": "ckpt.agent.persist",
+    "PendingSave": "ckpt.agent.persist",
     "InFlight": "ckpt.agent.config",
     "Counters": "ckpt.agent.counters",
     "PerSampleRNG": "ckpt.agent.data",

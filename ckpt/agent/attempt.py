@@ -41,9 +41,11 @@ class Attempt:
         heartbeat_seconds: float,
         step: Callable[[], int],
         ranks: Ranks,
+        store_url: str,
     ) -> None:
         self.registration: Registration | None = None
         self._control, self._run, self._ranks = control, run, ranks
+        self._store_url = store_url
         self._heartbeat_seconds = heartbeat_seconds
         self._step = step
         self._stopping = threading.Event()
@@ -67,6 +69,15 @@ class Attempt:
             registration.epoch,
             self._control.url,
         )
+        if registration.store not in (None, self._store_url):
+            log.warning(
+                "run %s: this process writes bundles to %s, the control plane at %s reads %s; "
+                "unless both name the same storage, every commit will fail",
+                self._run,
+                self._store_url,
+                self._control.url,
+                registration.store,
+            )
         if self._heartbeats is None:
             self._heartbeats = threading.Thread(
                 target=self._beat, name="ckpt-heartbeat", daemon=True

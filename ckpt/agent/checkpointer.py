@@ -5,8 +5,10 @@ A façade over the phases, each in a module of its own:
     capture       the six layers out of the objects and into the staging buffers (the stall)
     persist       hash, upload, record, commit, in the background; ``PendingSave``
     restore       find the resumable bundle, read and verify it, fall back
-    catalog       where bundles are kept: the store alone or the control plane (attempts)
-    preemption    what happens between a stop signal and the exit
+    catalog       where bundles are kept: the store alone or the control plane
+    attempt       register, heartbeat and end this process's attempt (control plane)
+    preemption    what happens between a stop signal and the exit (``signals`` catches it)
+    epochs        the walk through the data from the restored position
     ranks         what the ranks of a job must agree on
 """
 
@@ -15,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -29,14 +30,14 @@ from ckpt.agent.catalog.store import StoreCatalog
 from ckpt.agent.client import ControlPlane
 from ckpt.agent.config import Config, InFlight
 from ckpt.agent.counters import Counters
-from ckpt.agent.data import Resumed
+from ckpt.agent.epochs import Epochs
 from ckpt.agent.manifests import bundle_name
 from ckpt.agent.objects import Generator, gather
 from ckpt.agent.persist import PendingSave, Persister, SaveResult
 from ckpt.agent.policy import Position, SavePolicy
 from ckpt.agent.preemption import Preemption
 from ckpt.agent.ranks import MEET_SECONDS, Ranks, SingleProcess
-from ckpt.agent.restore import Restorer
+from ckpt.agent.restore import Restorer, ResumeResult
 from ckpt.agent.staging import StagingArea
 from ckpt.agent.stateful import Stateful
 from ckpt.agent.summary import announce
@@ -44,22 +45,9 @@ from ckpt.core.contract import RESTORE_ORDER, Layer
 from ckpt.core.storage import ObjectStore, open_store
 from ckpt.core.tokens import default_token
 
-__all__ = ["Checkpointer", "PendingSave", "ResumeResult", "SaveResult"]
+__all__ = ["Checkpointer"]
 
 log = logging.getLogger("ckpt")
-
-
-@dataclass(frozen=True)
-class ResumeResult:
-    """What ``resume`` did: ``bundle`` is None on a fresh start."""
-
-    bundle: str | None
-    step: int | None
-    layers: tuple[Layer, ...]
-
-    @property
-    def resumed(self) -> bool:
-        return self.bundle is not None
 
 
 class Checkpointer:
@@ -183,8 +171,7 @@ class Checkpointer:
         )
         self._last_saved: Position | None = None
         self._last_save_time = time.monotonic()
-        self._resumed: Resumed | None = None
-        self._epoch_batches: Iterator[Any] | None = None  # the live iterator of this epoch
+        self._epochs = Epochs(self.objects.data, self.counters)
 
     def _open_catalog(self) -> Catalog:
         config = self.config
@@ -197,6 +184,7 @@ class Checkpointer:
             heartbeat_seconds=config.heartbeat_seconds,
             step=lambda: self.counters.step,
             ranks=self.ranks,
+            store_url=self.store.url,
         )
 
     @property
@@ -266,8 +254,7 @@ class Checkpointer:
         """The restored position is where the loop continues, and (own run) is durable."""
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
-        self._resumed = Resumed(epoch=self.counters.epoch, batch=self.counters.batch)
-        self._epoch_batches = None
+        self._epochs.restart()
         if own:
             self._catalog.own_step(step)
             self._persister.durable_at = self._position()
@@ -280,21 +267,7 @@ class Checkpointer:
         would. Breaking out and calling it again continues the same epoch with the same
         iterator. Call ``maybe_save`` at the end of the loop body, after the batch is used.
         """
-        source = self.objects.data
-        if source is None:
-            raise ValueError("batches() needs data=: pass the loader to the Checkpointer")
-        counters = self.counters
-        if self._epoch_batches is None:
-            source.begin_epoch(counters.epoch)
-            resumed, self._resumed = self._resumed, None
-            self._epoch_batches = source.batches(resumed=resumed)
-        for batch in self._epoch_batches:
-            counters.batch += 1
-            source.consumed()
-            yield batch
-        self._epoch_batches = None
-        counters.epoch += 1
-        counters.batch = 0
+        return self._epochs.batches()
 
     def maybe_save(self) -> PendingSave | None:
         """Save if the policy says so at the current position; call once per micro-batch.

@@ -31,6 +31,7 @@ class Registration:
     epoch: int
     resume_from: Manifest | None
     resume_bundle_id: int | None
+    store: str | None  # the URL of the store the control plane reads
 
 
 class IncompleteCommitError(ControlPlaneError):
@@ -57,10 +58,9 @@ class ControlPlane:
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout, transport=transport
-        )
-        self.retry_seconds = retry_seconds
+        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport)
+        self.timeout = timeout  # one try
+        self.retry_seconds = retry_seconds  # one call, every try and wait included
 
     def close(self) -> None:
         self._http.close()
@@ -77,6 +77,7 @@ class ControlPlane:
             epoch=body["epoch"],
             resume_from=Manifest.model_validate(start["manifest"]) if start else None,
             resume_bundle_id=start["bundle_id"] if start else None,
+            store=body.get("store"),
         )
 
     def resumable(self, run: str) -> Manifest | None:
@@ -159,13 +160,14 @@ class ControlPlane:
         *,
         patience: float | None = None,
     ) -> dict[str, Any]:
-        """One request, retried on transport errors and 5xx for ``patience`` seconds
-        (default: the client's ``retry_seconds``), each try bounded by it too."""
+        """One request, retried on transport errors and 5xx for at most ``patience`` seconds
+        (default: the client's ``retry_seconds``) in all: every try is cut short at that
+        deadline, so a control plane that is down or hangs costs no more than that."""
         window = self.retry_seconds if patience is None else patience
         deadline = time.monotonic() + window
-        timeout = httpx.USE_CLIENT_DEFAULT if patience is None else max(patience, 0.1)
         delay = 0.2
         while True:
+            timeout = max(min(self.timeout, deadline - time.monotonic()), 0.1)
             try:
                 response = self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as err:
@@ -180,7 +182,8 @@ class ControlPlane:
                     raise _error(response, f"{method} {path}: {problem}")
             if time.monotonic() + delay > deadline:
                 raise ControlPlaneError(
-                    f"{method} {path}: {problem} (gave up retrying)", status=status
+                    f"{method} {path}: {problem} (gave up after {window:g} s of retries)",
+                    status=status,
                 )
             log.warning("%s %s: %s; retrying in %.1f s", method, path, problem, delay)
             time.sleep(delay)

@@ -47,8 +47,8 @@ class Config:
 
     Attributes:
         run: the run's name, shared by every attempt of it (``CKPT_RUN``).
-        store: where bundles go: a directory or ``file://`` URL (``CKPT_STORE``,
-            default ``./.ckpt/store``).
+        store: where bundles go: a directory, ``file://`` URL or ``s3://bucket/prefix``
+            (``CKPT_STORE``, default ``./.ckpt/store``).
         server: the control plane's URL (``CKPT_SERVER``); unset means store-only.
         token: the bearer token for the control plane (``CKPT_TOKEN``; else the embedded
             server's ``.ckpt/admin-token`` file, where there is one).

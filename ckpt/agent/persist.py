@@ -40,6 +40,8 @@ class SaveResult:
         persist_seconds: from the end of staging until the bundle was committed.
         payload_bytes: the bundle's bytes (this rank); new_bytes: those uploaded, the rest
             being blobs the store already held.
+        copied_bytes: tensor bytes staging copied (unchanged frozen tensors are not);
+            hashed_bytes: payload bytes hashed (the rest reused the last save's hashes).
     """
 
     bundle: str
@@ -48,6 +50,8 @@ class SaveResult:
     new_bytes: int
     stall_seconds: float
     persist_seconds: float
+    copied_bytes: int = 0
+    hashed_bytes: int = 0
 
     @property
     def throughput(self) -> float:
@@ -196,7 +200,7 @@ class Persister:
             upload = self._uploader(states, stats=stats, hashes=hashes, progress=progress)
             manifest = self._catalog.commit(upload, step=step)
         except Exception:
-            log.exception("run %s: saving step %d failed", self._run, step)
+            log.exception("run %s: saving %s failed", self._run, bundle_name_at(self._run, step))
             raise
         finally:
             self._blob_hashes = hashes.current
@@ -208,11 +212,13 @@ class Persister:
             new_bytes=stats.new_bytes,
             stall_seconds=stall,
             persist_seconds=time.perf_counter() - started,
+            copied_bytes=staged.copied_bytes,
+            hashed_bytes=stats.payload_bytes - hashes.reused_bytes,
         )
         if not kept:
             self.durable_at = position
         self.save_seconds = result.stall_seconds + result.persist_seconds
-        self._announce(result, position, copied=staged.copied_bytes, reused=hashes.reused_bytes)
+        self._announce(result, position)
         self._report(manifest.catalog.bundle_id if manifest.catalog else None, result)
         return result
 
@@ -244,22 +250,20 @@ class Persister:
 
         return upload
 
-    def _announce(
-        self, result: SaveResult, position: Position, *, copied: int, reused: int
-    ) -> None:
+    def _announce(self, result: SaveResult, position: Position) -> None:
         """One line per durable save; the details at debug level."""
         announce(
             f"ckpt: run {self._run}: saved {position}: {format_bytes(result.payload_bytes)} "
             f"({format_bytes(result.new_bytes)} new), stall {result.stall_seconds:.3f} s, "
-            f"durable after {result.persist_seconds:.2f} s ({result.throughput / 1e9:.2f} GB/s)",
+            f"durable after {result.persist_seconds:.2f} s ({format_bytes(int(result.throughput))}/s)",
             quiet=self._quiet,
         )
         log.debug(
             "run %s: %s: %d bytes copied and %d hashed again",
             self._run,
             result.bundle,
-            copied,
-            result.payload_bytes - reused,
+            result.copied_bytes,
+            result.hashed_bytes,
         )
 
     def _report(self, bundle_id: int | None, result: SaveResult) -> None:

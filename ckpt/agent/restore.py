@@ -10,6 +10,7 @@ Putting the layers back into the objects, in order, is ``capture.put_back``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,19 @@ from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
 
 log = logging.getLogger("ckpt")
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    """What ``resume`` did: ``bundle`` is None on a fresh start."""
+
+    bundle: str | None
+    step: int | None
+    layers: tuple[Layer, ...]
+
+    @property
+    def resumed(self) -> bool:
+        return self.bundle is not None
 
 
 class Restorer:

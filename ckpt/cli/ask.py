@@ -1,12 +1,121 @@
-"""The people's CLI over the REST API: pure ``format_*`` functions and one ``get``."""
+"""``ckpt runs | resumable | bundle``: the people's CLI over the REST API, with pure
+``format_*`` functions and one ``get``."""
 
 from __future__ import annotations
 
+import argparse
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable
 from typing import Any
 
+from ckpt.cli.config import Commands, add_command
+from ckpt.cli.text import table
+
 DEFAULT_SERVER = "http://127.0.0.1:8470"
+
+CONNECTION = f"""
+    Asks a running control plane: --server, else CKPT_SERVER, else {DEFAULT_SERVER}; with
+    the bearer token --token, else CKPT_TOKEN, else the embedded server's
+    ./.ckpt/admin-token. --json prints the API's answer as it came. Exits 1 when the
+    control plane refuses (the message says why).
+"""
+
+RUNS = f"""
+    List the runs, by name, with each run's epoch (its newest attempt), head bundle,
+    resumable bundle and number of bundles by status; a bundle shows as ID@STEP. Pages of
+    --limit runs: the last line names the --after that continues.
+
+    {CONNECTION}
+"""
+
+RESUMABLE = f"""
+    Where RUN resumes: the bundle, its step, world size, size and when it was saved; the
+    same answer a restarted training job gets.
+
+    {CONNECTION}
+"""
+
+BUNDLE = f"""
+    One bundle by its catalog id (see 'ckpt runs' or 'ckpt resumable'): its run, step,
+    status, attempt and parent, and every rank's layers with their bytes and blobs; what
+    is missing when it is not complete.
+
+    {CONNECTION}
+"""
+
+
+def add_commands(commands: Commands) -> None:
+    """``runs``, ``resumable`` and ``bundle``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--server", help=f"control plane URL (CKPT_SERVER, default {DEFAULT_SERVER})"
+    )
+    common.add_argument("--token", help="bearer token (CKPT_TOKEN, else ./.ckpt/admin-token)")
+    common.add_argument("--json", action="store_true", help="print the raw JSON answer")
+
+    runs = add_command(
+        commands, "runs", summary="list runs and their heads", description=RUNS, parents=[common]
+    )
+    runs.add_argument("--prefix", help="only runs whose name starts with this")
+    runs.add_argument("--limit", type=int, default=50, help="at most this many runs (default 50)")
+    runs.add_argument("--after", help="start after this run name (the previous page's end)")
+    runs.set_defaults(handler=_runs)
+
+    resumable = add_command(
+        commands,
+        "resumable",
+        summary="the latest resumable bundle of a run",
+        description=RESUMABLE,
+        parents=[common],
+    )
+    resumable.add_argument("run", help="the run's name")
+    resumable.set_defaults(handler=_resumable)
+
+    bundle = add_command(
+        commands,
+        "bundle",
+        summary="one bundle and its layers",
+        description=BUNDLE,
+        parents=[common],
+    )
+    bundle.add_argument("id", type=int, help="the bundle's catalog id")
+    bundle.set_defaults(handler=_bundle)
+
+
+def _runs(args: argparse.Namespace) -> int:
+    params: dict[str, object] = {"limit": args.limit}
+    for name in ("prefix", "after"):
+        if getattr(args, name):
+            params[name] = getattr(args, name)
+    return _ask(args, "/v1/runs", params, format_runs)
+
+
+def _resumable(args: argparse.Namespace) -> int:
+    return _ask(args, f"/v1/runs/{args.run}/resumable", {}, format_resumable)
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    return _ask(args, f"/v1/bundles/{args.id}", {}, format_bundle)
+
+
+def _ask(
+    args: argparse.Namespace,
+    path: str,
+    params: dict[str, object],
+    formatter: Callable[[dict[str, Any]], str],
+) -> int:
+    status, body = get(server=args.server, token=args.token, path=path, params=params)
+    if status >= 400:
+        print(f"ckpt: {status}: {body.get('message', body)}", file=sys.stderr)
+        return 1
+    if args.json:
+        import json
+
+        print(json.dumps(body, indent=2))
+    else:
+        print(formatter(body))
+    return 0
 
 
 def resolve(server: str | None, token: str | None) -> tuple[str, str | None]:
@@ -48,7 +157,7 @@ def format_runs(body: dict[str, Any]) -> str:
                 " ".join(f"{k}={v}" for k, v in sorted(run["num_bundles"].items())) or "-",
             )
         )
-    text = _table(rows)
+    text = table(rows)
     if body.get("next"):
         text += f"\n(more: --after {body['next']})"
     return text
@@ -78,7 +187,7 @@ def format_bundle(body: dict[str, Any]) -> str:
         (str(x["rank"]), x["layer"], str(x["payload_bytes"]), str(x["num_blobs"]))
         for x in body["recorded"]
     ]
-    lines.append(_table(rows))
+    lines.append(table(rows))
     if body["missing_layers"]:
         missing = ", ".join(f"{x['rank']}/{x['layer']}" for x in body["missing_layers"])
         lines.append(f"  missing: {missing}")
@@ -87,11 +196,3 @@ def format_bundle(body: dict[str, Any]) -> str:
 
 def _ref(ref: dict[str, Any] | None) -> str:
     return f"{ref['id']}@{ref['step']}" if ref else "-"
-
-
-def _table(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )

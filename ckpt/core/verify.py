@@ -24,10 +24,16 @@ _THREADS = 8
 class Verified:
     """What ``verify`` found: ``bad`` maps each failing blob to what is wrong with it."""
 
-    bundle: str
+    bundle: str  # the manifest's key
+    run: str
+    step: int
     blobs: int = 0
     bytes: int = 0
     bad: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def intact(self) -> bool:
+        return not self.bad
 
 
 def find_manifest(store: ObjectStore, run: str, *, step: int | None) -> Manifest:
@@ -61,7 +67,9 @@ def verify(
         for record in rank.layers.values()
         for blob in record.blobs
     }
-    report = Verified(bundle=keys.manifest_key(manifest.run, manifest.step))
+    report = Verified(
+        bundle=keys.manifest_key(manifest.run, manifest.step), run=manifest.run, step=manifest.step
+    )
 
     def check(blob: BlobRef) -> None:
         problem = _problem(store, blob)

@@ -1,5 +1,5 @@
-"""The FastAPI application: routers, the one error handler, body limits, metrics, and the
-periodic tasks: garbage collection and marking lost attempts."""
+"""The FastAPI application: routers, the error handlers (one JSON body for every error), body
+limits, metrics, and the periodic tasks: garbage collection and marking lost attempts."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ckpt.service.errors import InvalidRequestError, PayloadTooLargeError, Servi
 from ckpt.service.gc import service as gc
 from ckpt.service.gc.endpoints import router as gc_router
 from ckpt.service.health import router as health_router
-from ckpt.service.runs import service as runs
+from ckpt.service.runs import attempts
 from ckpt.service.runs.endpoints import router as runs_router
 from ckpt.service.settings import Settings, embedded_admin_token
 
@@ -42,11 +42,32 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     context = context or Context.create(settings)
     admin_token = embedded_admin_token(settings) if settings.embedded else settings.admin_token
 
+    app = FastAPI(
+        title="ckpt control plane",
+        version=__version__,
+        summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
+        lifespan=_lifespan(settings, context),
+    )
+    app.state.context = context
+    app.state.admin_token = admin_token
+    for router in (health_router, runs_router, bundles_router, tokens_router, gc_router):
+        app.include_router(router)
+    _handle_errors(app)
+    _count_requests(app, context)
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def _lifespan(
+    settings: Settings, context: Context
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The periodic tasks, started with the app and stopped with it."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         periodic: list[tuple[str, Callable[[Context], object], float]] = [
-            ("marking lost attempts", runs.mark_lost, settings.lost_check_seconds)
+            ("marking lost attempts", attempts.mark_lost, settings.lost_check_seconds)
         ]
         if settings.gc_interval_seconds > 0:
             periodic.append(("garbage collection", gc.collect, settings.gc_interval_seconds))
@@ -62,20 +83,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
             stop.set()
             await asyncio.gather(*tasks)
 
-    app = FastAPI(
-        title="ckpt control plane",
-        version=__version__,
-        summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
-        lifespan=lifespan,
-    )
-    app.state.context = context
-    app.state.admin_token = admin_token
-    for router in (health_router, runs_router, bundles_router, tokens_router, gc_router):
-        app.include_router(router)
-    _handle_errors(app)
-    _count_requests(app, context)
-    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
-    return app
+    return lifespan
 
 
 async def _periodically(
@@ -99,50 +107,56 @@ async def _periodically(
 
 
 def _handle_errors(app: FastAPI) -> None:
-    @app.exception_handler(ServiceError)
-    async def service_error(_: Request, err: ServiceError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    """Every error leaves as the same JSON body: ``{"error": code, "message": ...}``."""
+    app.exception_handler(ServiceError)(_service_error)
+    app.exception_handler(RequestValidationError)(_invalid)
+    app.exception_handler(DBAPIError)(_database_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        problems = [_describe(problem) for problem in err.errors()]
-        return JSONResponse(
-            {
-                "error": "invalid_request",
-                "message": "; ".join(problems) or "invalid request",
-                "problems": problems,
-            },
-            status_code=422,
-        )
 
-    @app.exception_handler(DBAPIError)
-    async def database_error(_: Request, err: DBAPIError) -> JSONResponse:
-        if isinstance(err, DataError):  # a value the database cannot store
-            body = InvalidRequestError(f"the database refused a value: {err.orig}").body()
-            return JSONResponse(body, status_code=422)
-        if _retryable(err):
-            log.warning("database conflict, the client will retry: %s", err.orig)
-            body = ServiceError(
-                "the database aborted this request to resolve a conflict; retry it"
-            ).body() | {"error": "retry"}
-            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
-        log.error("database error", exc_info=err)
-        body = ServiceError("the catalog database failed; see the server log").body()
-        return JSONResponse(body, status_code=503)
+async def _service_error(_: Request, err: ServiceError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = {
-            404: "not_found",
-            405: "method_not_allowed",
-            413: PayloadTooLargeError.code,
-        }.get(err.status_code, "http_error")
-        return JSONResponse(
-            {"error": code, "message": str(err.detail)},
-            status_code=err.status_code,
-            headers=getattr(err, "headers", None),
-        )
+
+async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    problems = [_describe(problem) for problem in err.errors()]
+    return JSONResponse(
+        {
+            "error": "invalid_request",
+            "message": "; ".join(problems) or "invalid request",
+            "problems": problems,
+        },
+        status_code=422,
+    )
+
+
+async def _database_error(_: Request, err: DBAPIError) -> JSONResponse:
+    if isinstance(err, DataError):  # a value the database cannot store
+        body = InvalidRequestError(f"the database refused a value: {err.orig}").body()
+        return JSONResponse(body, status_code=422)
+    if _retryable(err):
+        log.warning("database conflict, the client will retry: %s", err.orig)
+        body = ServiceError(
+            "the database aborted this request to resolve a conflict; retry it"
+        ).body() | {"error": "retry"}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+    log.error("database error", exc_info=err)
+    body = ServiceError("the catalog database failed; see the server log").body()
+    return JSONResponse(body, status_code=503)
+
+
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    code = {
+        404: "not_found",
+        405: "method_not_allowed",
+        413: PayloadTooLargeError.code,
+    }.get(err.status_code, "http_error")
+    return JSONResponse(
+        {"error": code, "message": str(err.detail)},
+        status_code=err.status_code,
+        headers=getattr(err, "headers", None),
+    )
 
 
 def _retryable(err: DBAPIError) -> bool:

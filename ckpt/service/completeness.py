@@ -67,17 +67,8 @@ def missing(
         for rank in range(world_size)
         if not any((rank, layer) in recorded for layer in RESTORE_ORDER)
     ]
-    usage: dict[str, tuple[int, list[Part]]] = {}
-    in_order = sorted(
-        recorded.items(), key=lambda item: (item[0][0], RESTORE_ORDER.index(item[0][1]))
-    )
-    for (rank, layer), record in in_order:
-        for blob in record.blobs:
-            size, parts = usage.setdefault(blob.sha256, (blob.size, []))
-            if Part(rank=rank, layer=layer) not in parts:
-                parts.append(Part(rank=rank, layer=layer))
     blobs = []
-    for sha256, (size, parts) in sorted(usage.items()):
+    for sha256, (size, parts) in sorted(_usage(recorded).items()):
         problem = _problem(size, stored.get(sha256, StoredBlob(size=None)))
         if problem is not None:
             found = stored.get(sha256)
@@ -101,6 +92,21 @@ def missing_layers(*, world_size: int, recorded: Collection[tuple[int, Layer]]) 
         for layer in RESTORE_ORDER
         if (rank, layer) not in recorded
     ]
+
+
+def _usage(recorded: Mapping[tuple[int, Layer], LayerRecord]) -> dict[str, tuple[int, list[Part]]]:
+    """Each referenced blob: the size its first record gives, and the parts that use it, in
+    rank and restore order."""
+    usage: dict[str, tuple[int, list[Part]]] = {}
+    in_order = sorted(
+        recorded.items(), key=lambda item: (item[0][0], RESTORE_ORDER.index(item[0][1]))
+    )
+    for (rank, layer), record in in_order:
+        for blob in record.blobs:
+            _, parts = usage.setdefault(blob.sha256, (blob.size, []))
+            if Part(rank=rank, layer=layer) not in parts:
+                parts.append(Part(rank=rank, layer=layer))
+    return usage
 
 
 def _problem(size: int, found: StoredBlob) -> BlobProblem | None:

@@ -1,12 +1,12 @@
 """``ckpt catalog rebuild``: recreate the catalog from the manifests in the store.
 
 A manifest is a bundle's commit record, so the store alone says which bundles exist. For
-each manifest whose run has no bundle at that step, a bundle is added: complete if
-the store holds every blob it lists with the right size (hashes are checked on restore),
-failed otherwise. Parent edges come from the manifest's catalog reference when it has one,
-else from the previous step; the head moves to the newest complete bundle. Each rebuilt manifest is rewritten with its
-new catalog id. Attempts are not
-in the store and are not recreated. Running it twice adds nothing the second time.
+each manifest whose run has no bundle at that step, a bundle is added: complete if the store
+holds every blob it lists with the right size (hashes are checked on restore), failed
+otherwise. Parent edges come from the manifest's catalog reference when it has one, else
+from the previous step; the head moves to the newest complete bundle. Each rebuilt manifest
+is rewritten with its new catalog id. Attempts are not in the store and are not recreated.
+Running it twice adds nothing the second time.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, ValidationError
+from sqlalchemy.orm import Session
 
 from ckpt.core.contract import CatalogRef, Manifest
 from ckpt.core.errors import StoreError
@@ -23,7 +24,7 @@ from ckpt.core.storage import keys
 from ckpt.service.bundles import repository
 from ckpt.service.context import Context
 from ckpt.service.errors import StoreUnavailableError
-from ckpt.service.models import Bundle, BundleStatus, utcnow
+from ckpt.service.models import Bundle, BundleStatus, Run, utcnow
 from ckpt.service.runs import repository as runs_repository
 
 log = logging.getLogger("ckpt.rebuild")
@@ -79,33 +80,7 @@ def _rebuild_run(
             complete = _blobs_present(context, manifest)
             ref = manifest.catalog
             parent = new_ids.get(ref.parent_id, previous) if ref and ref.parent_id else previous
-            bundle = repository.add_bundle(
-                session,
-                run_id=run.id,
-                attempt_id=None,
-                parent_id=parent,
-                step=manifest.step,
-                world_size=manifest.world_size,
-                status=BundleStatus.COMPLETE if complete else BundleStatus.FAILED,
-                reason=None if complete else "rebuilt: blobs missing from the store",
-                committed_at=_parse(manifest.created_at),
-                versions=manifest.versions.model_dump(mode="json"),
-                manifest=manifest.model_dump(mode="json"),
-            )
-            for record in manifest.ranks:
-                for layer, layer_record in record.layers.items():
-                    repository.claim_blobs(
-                        session, sizes={b.sha256: b.size for b in layer_record.blobs}
-                    )
-                    repository.insert_layer(
-                        session,
-                        bundle_id=bundle.id,
-                        rank=record.rank,
-                        layer=layer,
-                        payload_bytes=layer_record.payload_bytes,
-                        record=layer_record.model_dump(mode="json"),
-                        blobs=[b.sha256 for b in layer_record.blobs],
-                    )
+            bundle = _add_bundle(session, run, manifest, parent=parent, complete=complete)
             if ref:
                 new_ids[ref.bundle_id] = bundle.id
             _renumber(context, session_bundle=bundle, manifest=manifest, parent=parent)
@@ -118,6 +93,38 @@ def _rebuild_run(
             head = session.get(type(newest), run.head_bundle_id) if run.head_bundle_id else None
             if head is None or head.step < newest.step:
                 run.head_bundle_id = newest.id
+
+
+def _add_bundle(
+    session: Session, run: Run, manifest: Manifest, *, parent: int | None, complete: bool
+) -> Bundle:
+    """The manifest's bundle and its layers, as they were recorded; its blobs claimed."""
+    bundle = repository.add_bundle(
+        session,
+        run_id=run.id,
+        attempt_id=None,
+        parent_id=parent,
+        step=manifest.step,
+        world_size=manifest.world_size,
+        status=BundleStatus.COMPLETE if complete else BundleStatus.FAILED,
+        reason=None if complete else "rebuilt: blobs missing from the store",
+        committed_at=_parse(manifest.created_at),
+        versions=manifest.versions.model_dump(mode="json"),
+        manifest=manifest.model_dump(mode="json"),
+    )
+    for record in manifest.ranks:
+        for layer, layer_record in record.layers.items():
+            repository.claim_blobs(session, sizes={b.sha256: b.size for b in layer_record.blobs})
+            repository.insert_layer(
+                session,
+                bundle_id=bundle.id,
+                rank=record.rank,
+                layer=layer,
+                payload_bytes=layer_record.payload_bytes,
+                record=layer_record.model_dump(mode="json"),
+                blobs=[b.sha256 for b in layer_record.blobs],
+            )
+    return bundle
 
 
 def _renumber(

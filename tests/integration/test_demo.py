@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +12,21 @@ pytestmark = pytest.mark.slow
 
 # The console script pip installed beside this interpreter.
 CKPT = str(Path(sys.executable).parent / "ckpt")
+DEMO = [CKPT, "demo", "--steps", "30", "--every", "5", "--preemptions", "2", "--seed", "3"]
 
 
-def test_ckpt_demo_reports_bit_exact(tmp_path: Path) -> None:
+def without_the_venv_on_path() -> dict[str, str]:
+    """The environment of a user who never activated the virtualenv."""
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin)
+    return {**os.environ, "PATH": path}
+
+
+def demo(cwd: Path) -> str:
     done = subprocess.run(
-        [CKPT, "demo", "--steps", "30", "--every", "5", "--preemptions", "2", "--seed", "3"],
-        cwd=tmp_path,
+        DEMO,
+        cwd=cwd,
+        env=without_the_venv_on_path(),
         capture_output=True,
         text=True,
         timeout=600,
@@ -23,11 +34,68 @@ def test_ckpt_demo_reports_bit_exact(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "BIT-EXACT: yes" in done.stdout
-    assert "SIGTERM 2 of 2 sent" in done.stdout
-    assert "preempted at step" in done.stdout  # an attempt the agent ended itself
-    assert "lost at step" in done.stdout  # the SIGKILLed one, marked by the control plane
-    assert "/v1/runs/demo-" in done.stdout and "/resumable" in done.stdout
+    return done.stdout
+
+
+def sigkills_reported(out: str) -> int:
+    """The report's attempt count line, checked against the attempts it lists."""
+    found = re.search(
+        r"^attempts: +(\d+) \((\d+) SIGTERMs sent, (\d+) SIGKILLs? in an upload\)$", out, re.M
+    )
+    assert found, out
+    count, sigterms, sigkills = map(int, found.groups())
+    listed = re.findall(r"^  attempt (\d+): (\w[\w ]*) at step", out, re.M)
+    assert [int(epoch) for epoch, _ in listed] == list(range(1, count + 1)), out
+    assert listed[-1][1] == "finished", out  # the last attempt is listed too
+    assert sigterms == 2
+    return sigkills
+
+
+def sigkills_in_the_launch_log(out: str, cwd: Path) -> int:
+    run = re.search(r"^ckpt demo: run (\S+);", out, re.M)
+    assert run, out
+    log = (cwd / ".ckpt" / "demo" / run.group(1) / "launch.log").read_text()
+    return log.count("killed during an upload")
+
+
+def hinted_ckpt(out: str) -> str:
+    """The ``ckpt`` the closing hints tell the user to type."""
+    found = re.search(r"^  (.+) server &$", out, re.M)
+    assert found, out
+    return found.group(1)
+
+
+def test_ckpt_demo_reports_what_happened_on_a_new_and_on_a_reused_store(tmp_path: Path) -> None:
+    first = demo(tmp_path)
+    assert "SIGTERM 2 of 2 sent" in first
+    assert "preempted at step" in first  # an attempt the agent ended itself
+    assert "lost at step" in first  # the SIGKILLed one, marked by the control plane
+    assert "/v1/runs/demo-" in first and "/resumable" in first
     assert list((tmp_path / ".ckpt" / "store" / "runs").iterdir())
+    assert sigkills_reported(first) == sigkills_in_the_launch_log(first, tmp_path) == 1
+    assert re.search(
+        r"^SIGKILL drill: +fired while the bundle of step \d+ was uploading$", first, re.M
+    )
+
+    # The hints work as printed for a user who never activated the virtualenv.
+    version = subprocess.run(
+        f"{hinted_ckpt(first)} --version",
+        shell=True,
+        cwd=tmp_path,
+        env=without_the_venv_on_path(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert version.returncode == 0 and version.stdout.startswith("ckpt "), version.stderr
+    assert f"  {hinted_ckpt(first)} resumable demo-" in first
+
+    # Again on the same store: the bundle the drill aims at is already there, so its upload
+    # has nothing to kill, and the report says so instead of claiming a SIGKILL.
+    second = demo(tmp_path)
+    assert sigkills_reported(second) == sigkills_in_the_launch_log(second, tmp_path) == 0
+    assert re.search(r"^SIGKILL drill: +did not fire: .* had nothing to upload", second, re.M)
+    assert "lost at step" not in second
 
 
 def test_ckpt_without_a_command_explains_itself() -> None:

@@ -154,3 +154,26 @@ def test_naming_the_own_run_in_from_run_is_an_ordinary_resume(
     with server.client() as client:
         assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 3
     again.close()
+
+
+def test_an_agent_on_another_store_is_told_so_not_that_blobs_vanished(
+    server: Server, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The newcomer's mistake: agent and server resolve the default .ckpt/store from two
+    # working directories.
+    elsewhere = DirectoryStore(tmp_path / "elsewhere")
+    ckpt = checkpointer(server, run_name, store=elsewhere)
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        ckpt.resume()
+    assert f"writes bundles to {elsewhere.url}" in caplog.text
+    assert f"reads {server.store.url}" in caplog.text
+    with pytest.raises(ControlPlaneError, match="must use the same store") as raised:
+        ckpt.save().wait()
+    assert elsewhere.url in str(raised.value) and server.store.url in str(raised.value)
+    ckpt.close()
+
+
+def test_the_registration_names_the_control_planes_store(server: Server, run_name: str) -> None:
+    with server.client() as client:
+        answer = client.post(f"/v1/runs/{run_name}/attempts", json={"resume": True}).json()
+    assert answer["store"] == server.store.url

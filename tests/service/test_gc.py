@@ -12,6 +12,7 @@ import random
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -324,6 +325,35 @@ def test_unrecorded_upload_is_deleted_only_after_grace(
     assert blob_present(server.store, fresh.sha256, fresh.size)
     assert collect(server.context, now=utcnow() + timedelta(seconds=900)).deleted_blobs == 1
     assert not blob_present(server.store, fresh.sha256)
+
+
+def empty_directories(root: Path) -> list[str]:
+    return sorted(
+        path.relative_to(root).as_posix()
+        for path in root.rglob("*")
+        if path.is_dir() and not any(path.iterdir())
+    )
+
+
+def test_collection_leaves_no_empty_directories(
+    make_server: MakeServer, backend: str, run_name: str
+) -> None:
+    server = make_server(backend, blob_grace_seconds=600)
+    root = server.store.root
+    with server.client() as client:
+        attempt = register(client, run_name)
+        bundles = save_steps(server, client, run_name, attempt, [1, 2, 3])
+        set_keep(client, run_name, keep_last=1)
+    stray, _ = make_layer(server.store)  # uploaded, never recorded
+
+    report = collect(server.context, now=utcnow() + 2 * HOUR)
+
+    assert sorted(report.deleted_bundles) == [b["id"] for b in bundles[:2]]
+    assert report.deleted_blobs > len(stray.blobs)
+    assert empty_directories(root) == []
+    # What is left is exactly the newest bundle: its manifest and its blobs.
+    kept = {keys.blob_key(sha) for sha in manifest_blobs(bundles[2]["manifest"])}
+    assert set(store_listing(server.store)) == kept | {keys.manifest_key(run_name, 3)}
 
 
 def test_blobs_reported_present_are_claimed(make_server: MakeServer, backend: str) -> None:

@@ -24,8 +24,8 @@ from sqlalchemy.exc import IntegrityError
 from ckpt.service.db import alembic_config, make_engine, upgrade
 from ckpt.service.lineage import AttemptNode, steps_lost, steps_lost_by_attempt
 from ckpt.service.models import Attempt, EndReason, utcnow
+from ckpt.service.runs.attempts import mark_lost
 from ckpt.service.runs.schemas import ReportedEnd
-from ckpt.service.runs.service import mark_lost
 from ckpt.service.settings import Settings
 from tests.service.conftest import MakeServer, Server, create_pg_database, drop_pg_database
 from tests.service.helpers import register, save

@@ -130,7 +130,72 @@ def test_cli_creates_tokens_that_work(server: Server, run_name: str, tmp_path: P
         assert client.post(f"/v1/runs/{run_name}/attempts", json={}).status_code == 201
         assert client.post("/v1/runs/other/attempts", json={}).status_code == 403
     bad = ckpt("token", "create", "--role", "read", "--run", run_name, env=env, cwd=tmp_path)
-    assert bad.returncode != 0 and "take none" in bad.stderr
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("ckpt token create: --run is only for a 'run' token")
+    missing = ckpt("token", "create", "--role", "run", env=env, cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.startswith("ckpt token create: --run is required for a 'run' token")
+    invalid = ckpt("token", "create", "--role", "run", "--run", "no/slash", env=env, cwd=tmp_path)
+    assert invalid.returncode == 2
+    assert invalid.stderr.startswith("ckpt token create: --run: invalid run name 'no/slash'")
+
+
+def test_cli_lists_and_revokes_tokens(server: Server, run_name: str, tmp_path: Path) -> None:
+    env = server_env(server)
+    with server.client() as admin:
+        register(admin, run_name)
+    secrets = [
+        ckpt("token", "create", *args, env=env, cwd=tmp_path).stdout.strip()
+        for args in (["--role", "run", "--run", run_name, "--name", "trainer"], ["--role", "read"])
+    ]
+    assert all(secret.startswith("ckpt_") for secret in secrets)
+
+    table = ckpt("token", "list", env=env, cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    assert [line.split()[1:4] for line in table.stdout.splitlines()] == [
+        ["NAME", "ROLE", "RUN"],
+        ["trainer", "run", run_name],
+        ["cli", "read", "-"],
+    ]
+    listed = json.loads(ckpt("token", "list", "--json", env=env, cwd=tmp_path).stdout)
+    assert [(t["name"], t["role"], t["run"], t["revoked_at"]) for t in listed] == [
+        ("trainer", "run", run_name, None),
+        ("cli", "read", None, None),
+    ]
+    assert {key for t in listed for key in t} == {
+        "id",
+        "name",
+        "role",
+        "run",
+        "created_at",
+        "revoked_at",
+    }
+    for secret in secrets:  # the catalog holds only hashes: nothing to leak, and none leaks
+        assert secret not in table.stdout + json.dumps(listed)
+
+    trainer = listed[0]["id"]
+    with server.client(secrets[0]) as client:
+        assert client.get(f"/v1/runs/{run_name}").status_code == 200
+    revoked = ckpt("token", "revoke", str(trainer), env=env, cwd=tmp_path)
+    assert revoked.returncode == 0, revoked.stderr
+    assert revoked.stdout.startswith(
+        f"revoked run token {trainer} (trainer) for run {run_name} at "
+    )
+    with server.client(secrets[0]) as client:
+        assert client.get(f"/v1/runs/{run_name}").status_code == 401
+    with server.client(secrets[1]) as client:
+        assert client.get(f"/v1/runs/{run_name}").status_code == 200
+    after = json.loads(ckpt("token", "list", "--json", env=env, cwd=tmp_path).stdout)
+    assert [t["revoked_at"] is not None for t in after] == [True, False]
+    again = ckpt("token", "revoke", str(trainer), env=env, cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout == revoked.stdout  # unchanged
+
+    unknown = ckpt("token", "revoke", "987654", env=env, cwd=tmp_path)
+    assert unknown.returncode == 1
+    assert (
+        unknown.stderr.strip()
+        == "ckpt token revoke: no token has id 987654 (see 'ckpt token list')"
+    )
 
 
 def test_cli_migrate_and_gc(tmp_path: Path) -> None:

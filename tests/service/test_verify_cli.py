@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,59 @@ def test_no_such_bundle_exits_2_and_says_so(
     saved(tmp_path / "store", steps=(1,))
     assert main([*argv, "--store", str(tmp_path / "store")]) == 2
     assert message in capsys.readouterr().err
+
+
+def manifest_totals(store: DirectoryStore, step: int) -> tuple[int, int]:
+    """(distinct blobs, their bytes) of the bundle at ``step``."""
+    manifest = find_manifest(store, "verified", step=step)
+    blobs = {b.sha256: b.size for r in manifest.ranks for x in r.layers.values() for b in x.blobs}
+    return len(blobs), sum(blobs.values())
+
+
+def test_json_report_of_an_intact_bundle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = saved(tmp_path / "store", steps=(1, 2))
+    assert main(["verify", "verified", "--store", str(tmp_path / "store"), "--json"]) == 0
+    blobs, size = manifest_totals(store, 2)
+    assert json.loads(capsys.readouterr().out) == {
+        "bundle": "runs/verified/bundles/000000000002/manifest.json",
+        "run": "verified",
+        "step": 2,
+        "blobs": blobs,
+        "bytes": size,
+        "bad": {},
+        "intact": True,
+    }
+
+
+def test_json_report_names_each_bad_blob_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = saved(tmp_path / "store", steps=(1,))
+    layers = find_manifest(store, "verified", step=1).ranks[0].layers
+    flipped, missing = layers[Layer.WEIGHTS].blobs[-1].sha256, layers[Layer.RNG].blobs[-1].sha256
+    path = tmp_path / "store" / keys.blob_key(flipped)
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x01
+    path.write_bytes(bytes(data))
+    (tmp_path / "store" / keys.blob_key(missing)).unlink()
+
+    argv = ["verify", "verified", "--step", "1", "--store", str(tmp_path / "store"), "--json"]
+    assert main(argv) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["intact"] is False
+    assert report["bad"].keys() == {flipped, missing}
+    assert report["bad"][flipped] == "its SHA-256 does not match its name"
+    assert report["bad"][missing].startswith("unreadable: ")
+    assert (report["blobs"], report["bytes"]) == manifest_totals(store, 1)
+
+
+def test_json_asked_for_a_missing_bundle_exits_2_with_nothing_on_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved(tmp_path / "store", steps=(1,))
+    assert main(["verify", "nobody", "--store", str(tmp_path / "store"), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "run nobody has no bundle" in err

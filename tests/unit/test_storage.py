@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -121,6 +122,76 @@ def test_delete_removes_the_object(store: DirectoryStore) -> None:
 
     assert store.size("a/b") is None
     assert list(store.list_keys("")) == ["a/c"]
+
+
+def directories_under(root: Path) -> list[str]:
+    return sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_dir())
+
+
+def test_delete_removes_the_directories_it_empties_up_to_the_root(store: DirectoryStore) -> None:
+    for key in ["a/b/c/k1", "a/b/d/k2", "a/k3"]:
+        store.put(key, [b"1"])
+
+    store.delete("a/b/c/k1")
+    assert directories_under(store.root) == ["a", "a/b", "a/b/d"]
+    store.delete("a/b/d/k2")
+    assert directories_under(store.root) == ["a"]
+    store.delete("a/k3")
+    assert directories_under(store.root) == []
+    assert store.root.is_dir()  # the root stays
+    store.put("a/b/k4", [b"2"])  # and takes new objects
+    assert store.get("a/b/k4") == b"2"
+
+
+def test_delete_of_an_absent_key_removes_nothing_else(store: DirectoryStore) -> None:
+    store.put("a/k", [b"1"])
+
+    store.delete("a/b/missing")
+    store.delete("missing")
+
+    assert directories_under(store.root) == ["a"]
+    assert store.get("a/k") == b"1"
+
+
+def test_concurrent_puts_deletes_and_listings_never_fail(store: DirectoryStore) -> None:
+    """Each delete empties the shared directories that the other threads' puts are making
+    again at that moment; every put must land and every listing must succeed."""
+    rounds, writers = 300, 4
+    start = threading.Barrier(writers + 1)
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def write(name: str) -> None:
+        start.wait()
+        try:
+            for i in range(rounds):
+                key = f"blobs/sha256/ab/{name}"
+                store.put(key, [name.encode(), str(i).encode()])
+                assert store.get(key) == f"{name}{i}".encode()
+                store.delete(key)
+        except BaseException as err:
+            failures.append(err)
+
+    def list_all() -> None:
+        start.wait()
+        try:
+            while not done.is_set():
+                list(store.list_keys("blobs/"))
+        except BaseException as err:
+            failures.append(err)
+
+    threads = [threading.Thread(target=write, args=(f"w{n}",)) for n in range(writers)]
+    lister = threading.Thread(target=list_all)
+    for thread in [*threads, lister]:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    done.set()
+    lister.join()
+
+    assert failures == []
+    assert list(store.list_keys("")) == []
+    assert directories_under(store.root) == []
 
 
 @pytest.mark.parametrize(

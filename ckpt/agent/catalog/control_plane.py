@@ -18,8 +18,12 @@ from ckpt.agent.client import ControlPlane, IncompleteCommitError, Registration
 from ckpt.agent.manifests import versions
 from ckpt.agent.ranks import Ranks
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
+from ckpt.core.errors import ControlPlaneError
 
 log = logging.getLogger("ckpt")
+
+# Upload, record and commit; a round that finds blobs gone uploads them again.
+_COMMIT_ROUNDS = 3
 
 
 class ControlPlaneCatalog:
@@ -33,12 +37,18 @@ class ControlPlaneCatalog:
         heartbeat_seconds: float,
         step: Callable[[], int],
         ranks: Ranks,
+        store_url: str,
     ) -> None:
         self.control = control
         self.attempt = Attempt(
-            control, run=run, heartbeat_seconds=heartbeat_seconds, step=step, ranks=ranks
+            control,
+            run=run,
+            heartbeat_seconds=heartbeat_seconds,
+            step=step,
+            ranks=ranks,
+            store_url=store_url,
         )
-        self._run, self._ranks = run, ranks
+        self._run, self._ranks, self._store_url = run, ranks, store_url
         self._committed: dict[int, Manifest] = {}  # this attempt's bundles, by step
 
     def resumable(self, run: str, *, own: bool) -> Manifest | None:
@@ -93,20 +103,33 @@ class ControlPlaneCatalog:
             versions=versions(),
         )
         force: set[str] = set()
-        for _ in range(2):
+        for round_ in range(_COMMIT_ROUNDS):
             self._record(bundle_id, attempt, upload(self._held(force)))
             try:
                 return self.control.commit(bundle_id, epoch=attempt.epoch)
             except IncompleteCommitError as err:
-                if not err.blobs:
+                if not err.blobs or round_ == _COMMIT_ROUNDS - 1:
                     raise
+                if force and err.blobs <= force:  # written just now, and still not seen
+                    raise self._other_store(err.blobs) from err
                 log.warning(
                     "bundle %d: %d blob(s) vanished; uploading them again",
                     bundle_id,
                     len(err.blobs),
                 )
                 force = err.blobs
-        return self.control.commit(bundle_id, epoch=attempt.epoch)
+        raise AssertionError("unreachable: the last round returns or raises")
+
+    def _other_store(self, blobs: set[str]) -> ControlPlaneError:
+        registration = self.attempt.registration
+        server = registration.store if registration is not None else None
+        return ControlPlaneError(
+            f"the control plane does not find {len(blobs)} blob(s) this process has just "
+            f"written to {self._store_url}; it reads {server or 'another store'}. The agent "
+            "and the control plane must use the same store: give both the same CKPT_STORE "
+            "(a directory such as the default .ckpt/store is relative to each process's "
+            "working directory)"
+        )
 
     def _held(self, force: set[str]) -> Callable[[list[BlobRef]], set[str]]:
         """Which blobs the store holds, by the control plane, less those to upload anyway."""

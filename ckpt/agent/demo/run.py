@@ -4,7 +4,11 @@ It starts the control plane (the embedded default: SQLite + the directory store 
 ``./.ckpt``) in the background, trains the demo job under ``ckpt launch`` while a chaos
 loop preempts it (SIGTERM at random moments, and one SIGKILL in the middle of an upload),
 lets every attempt resume through the control plane, then trains an uninterrupted reference
-run with the same seed and checks that both end bit-identical.
+run with the same seed and checks that both end bit-identical (``report``).
+
+The SIGKILL is the trainer's own (``train.py --kill-during-upload``): it records in
+``.ckpt/demo/<run>/sigkill-drill.json`` whether it fired, so that the report states what
+happened, also on a store that already holds the bundle it aims at.
 """
 
 from __future__ import annotations
@@ -24,12 +28,27 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
-from ckpt.agent.demo.compare import differences
+from ckpt.agent.demo.report import DRILL_RECORD, ckpt_here, print_next_steps, report
 from ckpt.core.tokens import default_token
 
 GRACE_SECONDS = 10
+
+DESCRIPTION = """\
+Preemption end to end on one machine, in about a minute.
+
+Starts the control plane in the background (unless --server names one; the
+embedded default: a SQLite catalog and a directory store under ./.ckpt), then
+trains a small job under 'ckpt launch' while a chaos loop preempts it: SIGTERMs
+at random steps, and a SIGKILL in the middle of the upload of one bundle. Every
+attempt resumes through the control plane. Then it trains the same job without
+interruption and checks that both runs end bit-identical: every parameter,
+optimizer tensor, learning rate and loss.
+
+Writes everything under ./.ckpt (catalog, bundles, admin token; logs in
+./.ckpt/demo/RUN). Prints each attempt and how it ended, the bundles and bytes
+saved, the comparison, and the commands that ask the control plane about the
+run. Exits 0 when the runs are bit-identical, 1 otherwise."""
 
 
 @dataclass(frozen=True)
@@ -42,17 +61,25 @@ class Plan:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="ckpt demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ckpt demo",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--store", default=".ckpt/store", help="where bundles go (default: ./.ckpt/store)"
     )
     parser.add_argument(
         "--server", default=None, help="use this control plane instead of starting one"
     )
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to train")
-    parser.add_argument("--every", type=int, default=5, help="save every N steps")
-    parser.add_argument("--preemptions", type=int, default=3, help="SIGTERMs to send")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the chaos")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="optimizer steps to train (default 60)"
+    )
+    parser.add_argument("--every", type=int, default=5, help="save every N steps (default 5)")
+    parser.add_argument("--preemptions", type=int, default=3, help="SIGTERMs to send (default 3)")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed of the chaos (default: a new one each run)"
+    )
     args = parser.parse_args(argv)
     if args.every < 1 or args.steps < 3 * args.every:
         parser.error(f"--steps must be at least 3 x --every (got {args.steps}, {args.every})")
@@ -76,8 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"1. control plane at {url}")
         print(
             f"2. training {plan.steps} steps under `ckpt launch`, saving every {plan.every}; "
-            f"{plan.preemptions} SIGTERMs at random steps and a SIGKILL while the bundle "
-            f"of step {plan.kill_upload_at} uploads"
+            f"{plan.preemptions} SIGTERMs at random steps and a SIGKILL in the middle of "
+            f"the upload of the bundle of step {plan.kill_upload_at}"
         )
         started = time.monotonic()
         rc, signals = _train_with_chaos(
@@ -90,8 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         facts = _facts(url, token, plan.run)
     print("3. a reference run trains the same job without interruption")
     _reference(plan, work)
-    code = _report(plan, work, facts, signals)
-    _print_next_steps(url if args.server else None, plan.run)
+    code = report(work, facts, sigterms=signals, kill_upload_at=plan.kill_upload_at)
+    print_next_steps(url if args.server else None, plan.run, ckpt=ckpt_here())
     return code
 
 
@@ -176,7 +203,7 @@ def _train_with_chaos(
         "--kill-during-upload",
         str(plan.kill_upload_at),
         "--drill-marker",
-        str(work / "killed-once"),
+        str(work / DRILL_RECORD),
     )
     command = [
         sys.executable,
@@ -270,50 +297,3 @@ def _reference(plan: Plan, work: Path) -> None:
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the reference run failed:\n{done.stderr[-3000:]}")
-
-
-def _report(plan: Plan, work: Path, facts: dict[str, Any], signals: int) -> int:
-    """Print what happened and the comparison; 0 when bit-identical to the reference."""
-    attempts = facts["lineage"]["attempts"]
-    final: dict[str, Any] = torch.load(work / "final.pt", weights_only=True)
-    reference: dict[str, Any] = torch.load(work / "reference.pt", weights_only=True)
-    stored = sum(save["payload_bytes"] for save in facts["saves"])
-    uploaded = sum(save["new_bytes"] for save in facts["saves"])
-    print()
-    print(f"attempts:                     {len(attempts)} ({signals} SIGTERMs, 1 SIGKILL drill)")
-    for attempt in attempts[:-1]:
-        lost = attempt.get("steps_lost")
-        print(
-            f"  attempt {attempt['epoch']}: {attempt['end_reason'] or 'not ended'} "
-            f"at step {attempt['last_step']}, final save committed: "
-            f"{attempt['final_save_committed']}, steps lost: {'?' if lost is None else lost}"
-        )
-    print(f"bundles saved:                {len(facts['bundles'])}")
-    print(
-        f"bytes:                        {stored} in bundles, {uploaded} uploaded "
-        f"({stored - uploaded} deduplicated)"
-    )
-    print(f"micro-batches compared:       {len(final['positions'])} (the last attempt's)")
-    found = differences(reference, final)
-    if found:
-        print("BIT-EXACT: NO")
-        for item in found:
-            print(f"  - {item}")
-        return 1
-    print("BIT-EXACT: yes - every parameter, optimizer tensor, LR and loss is identical")
-    return 0
-
-
-def _print_next_steps(server: str | None, run: str) -> None:
-    print()
-    if server is None:
-        print("The catalog and bundles stay in ./.ckpt. Start the control plane on them and ask:")
-        print("  ckpt server &")
-        server = "http://127.0.0.1:8470"
-    print(
-        f'  curl -H "Authorization: Bearer $(cat .ckpt/admin-token)" {server}/v1/runs/{run}/resumable'
-    )
-    print(
-        f'  curl -H "Authorization: Bearer $(cat .ckpt/admin-token)" {server}/v1/runs/{run}/lineage'
-    )
-    print(f"  ckpt resumable {run}     # the same through the CLI")

@@ -12,6 +12,7 @@ state and per-micro-batch loss records to ``--out`` so that runs can be compared
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ckpt.agent.checkpointer import Checkpointer
 from ckpt.agent.data import PerSampleRNG, ResumableSampler
+from ckpt.agent.persist import PendingSave
 from ckpt.core.contract import Layer
 from ckpt.core.storage import ObjectStore, open_store
 
@@ -136,20 +138,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add(
         "--drill-marker",
         default=None,
-        help="a file: --kill-during-upload fires only while it does not exist, and creates it",
+        help="a file: --kill-during-upload fires only while it does not exist; it records "
+        'what the drill did: {"outcome": "killed" | "nothing to upload", "step": STEP}',
     )
     return parser.parse_args(argv)
 
 
-def arm_once(marker: str | None) -> bool:
-    """Whether a drill fires: always without a marker file, else only the first time."""
-    if marker is None:
-        return True
-    try:
-        with open(marker, "x"):
-            return True
-    except FileExistsError:
-        return False
+def drill_armed(marker: str | None) -> bool:
+    """Whether the SIGKILL drill may fire: always without a record file, else only while
+    there is none (it fires once per run, not once per attempt)."""
+    return marker is None or not os.path.exists(marker)
+
+
+def record_drill(marker: str | None, *, outcome: str, step: int) -> None:
+    """Write what the drill did (``killed``, or ``nothing to upload``) to its record file."""
+    if marker is not None:
+        with open(marker, "w") as out:
+            json.dump({"outcome": outcome, "step": step}, out)
 
 
 def parse_pause(text: str) -> tuple[tuple[int, int], float]:
@@ -161,15 +166,17 @@ def parse_pause(text: str) -> tuple[tuple[int, int], float]:
 class DrillStore:
     """The real store, with uploads slowed down or the process killed in the middle of one."""
 
-    def __init__(self, inner: ObjectStore, *, delay: float) -> None:
+    def __init__(self, inner: ObjectStore, *, delay: float, marker: str | None) -> None:
         self.inner = inner
         self.url = inner.url
         self.delay = delay
-        self.kill_next_blob = False
+        self.marker = marker
+        self.kill_in_upload_of: int | None = None  # the step whose bundle the drill aims at
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         if key.startswith("blobs/"):
-            if self.kill_next_blob:
+            if self.kill_in_upload_of is not None:
+                record_drill(self.marker, outcome="killed", step=self.kill_in_upload_of)
                 print("killed during an upload", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(self.delay)
@@ -200,7 +207,7 @@ def build(args: argparse.Namespace) -> Job:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.total_steps))
     scaler = torch.amp.GradScaler("cpu", growth_interval=5)
-    store = DrillStore(open_store(args.store), delay=args.slow_store)
+    store = DrillStore(open_store(args.store), delay=args.slow_store, marker=args.drill_marker)
     ckpt = Checkpointer(
         run=args.run,
         store=store,
@@ -233,6 +240,22 @@ def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> N
         counters.micro_step = 0
 
 
+def finish_drill(job: Job, saved: PendingSave | None) -> None:
+    """Wait for the bundle the SIGKILL drill aims at, then disarm it.
+
+    Uploading one of its blobs kills the process (``DrillStore.put``), so coming back here
+    means it had none to upload: the store already held every one (deduplicated), as it
+    does when an earlier run saved the same state. That is recorded, not hidden.
+    """
+    step = job.store.kill_in_upload_of
+    assert step is not None
+    if saved is not None:
+        saved.wait()
+        print(f"SIGKILL drill: the bundle of step {step} had no blob to upload", flush=True)
+        record_drill(job.store.marker, outcome="nothing to upload", step=step)
+    job.store.kill_in_upload_of = None
+
+
 def save_and_maybe_die(job: Job, *, kill: bool) -> None:
     job.ckpt.save().wait()
     if kill:
@@ -254,12 +277,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             position = (counters.step, counters.micro_step)
             if position == args.save_at:
                 save_and_maybe_die(job, kill=args.kill_after_save)
-            if args.kill_during_upload == counters.step and counters.micro_step == 0:
-                job.store.kill_next_blob = arm_once(args.drill_marker)
+            drill = position == (args.kill_during_upload, 0) and drill_armed(args.drill_marker)
+            if drill:
+                job.store.kill_in_upload_of = counters.step
             if args.pause_at is not None and position == args.pause_at[0]:
                 print(f"a long step at {position[0]}.{position[1]}", flush=True)
                 time.sleep(args.pause_at[1])
             saved = job.ckpt.maybe_save()
+            if drill:
+                finish_drill(job, saved)
             if position == args.signal_at:
                 print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)

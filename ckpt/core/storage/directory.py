@@ -17,7 +17,10 @@ class DirectoryStore:
 
     ``put`` writes a temporary file in the target directory, fsyncs it, renames it over the
     key and fsyncs the directories it changed, so a crash leaves either the old object or the
-    new one. Operating-system failures surface as ``StoreError``.
+    new one. ``delete`` removes the directories it empties, up to the root, so a store that
+    garbage collection emptied holds no empty directories; a ``put`` that loses the race with
+    such a removal makes the directory again. Operating-system failures surface as
+    ``StoreError``.
     """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -34,8 +37,7 @@ class DirectoryStore:
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         path = self._path(key)
         try:
-            created = _make_dirs(path.parent)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            fd, tmp, created = _open_temporary(path)
             try:
                 with os.fdopen(fd, "wb") as out:
                     for piece in pieces:
@@ -95,25 +97,65 @@ class DirectoryStore:
         base = self.root.joinpath(*prefix.split("/")[:-1])
         found = []
         try:
-            for path in base.rglob("*"):
-                key = path.relative_to(self.root).as_posix()
-                if path.name.startswith(".") or not key.startswith(prefix):
-                    continue
-                try:
-                    stat = path.stat()
-                except FileNotFoundError:
-                    continue  # deleted while listed
-                if S_ISREG(stat.st_mode):
-                    found.append(StoredObject(key, stat.st_size, stat.st_mtime))
+            for directory, _, names in os.walk(base, onerror=_raise_unless_gone):
+                for name in names:
+                    path = Path(directory, name)
+                    key = path.relative_to(self.root).as_posix()
+                    if name.startswith(".") or not key.startswith(prefix):
+                        continue
+                    try:
+                        stat = path.stat()
+                    except FileNotFoundError:
+                        continue  # deleted while listed
+                    if S_ISREG(stat.st_mode):
+                        found.append(StoredObject(key, stat.st_size, stat.st_mtime))
         except OSError as err:
             raise StoreError(f"{self.url}: cannot list {prefix!r}: {err}") from err
         yield from sorted(found)
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self._path(key).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
         except OSError as err:
             raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
+        self._remove_empty(path.parent)
+
+    def _remove_empty(self, directory: Path) -> None:
+        """Remove ``directory`` and then each parent while they are empty, up to the root."""
+        while directory != self.root:
+            try:
+                directory.rmdir()  # refuses a directory that is not empty
+            except OSError:
+                # Not empty (a put got there first), already gone, or not ours to remove:
+                # the object is deleted either way; an empty directory is only clutter.
+                return
+            directory = directory.parent
+
+
+_MAKE_DIRS_TRIES = 8
+
+
+def _open_temporary(path: Path) -> tuple[int, str, list[Path]]:
+    """A new temporary file beside ``path`` (its directories made): (fd, name, directories
+    created, deepest first).
+
+    A concurrent ``delete`` may remove a directory it emptied between making it (or finding
+    it) and opening the file in it: then the directories are made again. Once the file exists the directory
+    is not empty, so no delete removes it.
+    """
+    created: list[Path] = []
+    for tries_left in reversed(range(_MAKE_DIRS_TRIES)):
+        try:
+            created += _make_dirs(path.parent)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            return fd, tmp, created
+        except (FileNotFoundError, FileExistsError):
+            # FileExistsError: mkdir found the directory made, and it was gone again before
+            # mkdir(exist_ok=True) could see it.
+            if not tries_left:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _make_dirs(directory: Path) -> list[Path]:
@@ -127,8 +169,18 @@ def _make_dirs(directory: Path) -> list[Path]:
     return missing
 
 
+def _raise_unless_gone(err: OSError) -> None:
+    """For ``os.walk``: a directory that a concurrent delete removed (or a prefix naming no
+    directory) lists nothing; any other failure is raised."""
+    if not isinstance(err, FileNotFoundError | NotADirectoryError):
+        raise err
+
+
 def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # a concurrent delete removed the object and its emptied directory
     try:
         os.fsync(fd)
     finally:

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Path
 
 from ckpt.core.contract import Layer, SaveFigures
 from ckpt.service.bundles import service
+from ckpt.service.bundles.commit import commit_bundle
 from ckpt.service.bundles.schemas import (
     BlobsMissing,
     BlobsQuery,
@@ -81,7 +82,7 @@ def commit(
     bundle: IdPath, request: Commit, principal: PrincipalDep, context: ContextDep
 ) -> Committed:
     """Verify every layer and blob, then make the bundle complete and the run's head."""
-    return service.commit(context, principal, bundle_id=bundle, request=request)
+    return commit_bundle(context, principal, bundle_id=bundle, request=request)
 
 
 @router.get("/bundles/{bundle}")

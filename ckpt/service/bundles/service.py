@@ -1,72 +1,39 @@
-"""Bundles: open, record layers, commit (the completeness check), take each rank's save
-figures, and read them back.
-
-The commit protocol: a bundle is opened pending by the live attempt; each rank records its
-layers (idempotently); commit checks that every (rank, layer) is recorded and that the store
-holds every blob with the recorded size and SHA-256, then, in one transaction holding the
-run's row lock, writes the manifest to the store, marks the bundle complete and moves the
-run's head. Store reads happen outside any transaction; the decision is re-checked under
-the lock, so concurrent commits from many ranks produce one complete bundle.
+"""Bundles: open one, record its layers, say which blobs the store lacks, take each rank's
+save figures, pin, quarantine, and read bundles back. Committing a bundle is ``commit.py``'s
+job; who may write to one is ``fencing.py``'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
 
 from sqlalchemy.orm import Session
 
-from ckpt.core.contract import (
-    CatalogRef,
-    Layer,
-    LayerRecord,
-    Manifest,
-    RankRecord,
-    SaveFigures,
-    Versions,
-)
-from ckpt.core.errors import StoreError
-from ckpt.core.storage import ObjectStore, keys
-from ckpt.service import completeness, lineage
+from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
+from ckpt.service import completeness, models
 from ckpt.service.auth.service import Principal, require_read, require_write, require_writer
 from ckpt.service.bundles import repository
+from ckpt.service.bundles.blobs import stored_sizes
+from ckpt.service.bundles.fencing import check_epoch, for_write
 from ckpt.service.bundles.schemas import (
     BlobsMissing,
     BlobsQuery,
     BundleOpen,
     BundleOut,
     BundlePatch,
-    Commit,
-    Committed,
     LayerPut,
     Quarantine,
     RecordedLayer,
     SaveOut,
 )
-from ckpt.service.completeness import StoredBlob
 from ckpt.service.context import Context
-from ckpt.service.errors import (
-    ConflictError,
-    FencedError,
-    IncompleteError,
-    InvalidRequestError,
-    NotFoundError,
-    StoreUnavailableError,
-)
+from ckpt.service.errors import ConflictError, InvalidRequestError, NotFoundError
 from ckpt.service.metrics import Metrics
-from ckpt.service.models import Attempt, Bundle, BundleStatus, Run, utcnow
+from ckpt.service.models import Attempt, Bundle, BundleStatus, Run
 from ckpt.service.runs import repository as runs_repository
-from ckpt.service.runs.service import catalog_nodes, node
 from ckpt.service.sql import Lock
 
 log = logging.getLogger("ckpt.service")
-
-_STORE_THREADS = 4
-_COMMIT_ROUNDS = 3  # layers recorded while a commit checks blobs make it check again
 
 
 def open_bundle(
@@ -79,7 +46,7 @@ def open_bundle(
         attempt = runs_repository.get_attempt(session, attempt_id=request.attempt_id)
         if run is None or attempt is None or attempt.run_id != run.id:
             raise NotFoundError(f"run {name!r} has no attempt {request.attempt_id}")
-        _check_epoch(context, run, attempt=attempt, claimed=request.epoch)
+        check_epoch(context, run, attempt=attempt, claimed=request.epoch)
         found = repository.find_bundle(session, attempt_id=attempt.id, step=request.step)
         if found is None:
             _check_extends_head(session, run, attempt, step=request.step)
@@ -119,8 +86,8 @@ def record_layer(
 ) -> RecordedLayer:
     """Record one rank's layer; recording the same content again is a no-op."""
     with context.transaction() as session:
-        bundle, run, attempt = _for_write(session, principal, bundle_id, lock=Lock.SHARE)
-        _check_epoch(context, run, attempt=attempt, claimed=put.epoch)
+        bundle, run, attempt = for_write(session, principal, bundle_id, lock=Lock.SHARE)
+        check_epoch(context, run, attempt=attempt, claimed=put.epoch)
         if rank >= bundle.world_size:
             raise InvalidRequestError(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
@@ -129,23 +96,7 @@ def record_layer(
         record = put.record.model_dump(mode="json")
         existing = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
         if existing is None:
-            if bundle.status != BundleStatus.PENDING:
-                raise ConflictError(
-                    f"bundle {bundle.id} is {bundle.status}: layers are recorded only while "
-                    "it is pending"
-                )
-            _claim(session, put.record)
-            repository.insert_layer(
-                session,
-                bundle_id=bundle.id,
-                rank=rank,
-                layer=layer,
-                payload_bytes=put.record.payload_bytes,
-                record=record,
-                blobs=[blob.sha256 for blob in put.record.blobs],
-            )
-            existing = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
-            assert existing is not None
+            existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=put.record)
         if existing.record != record:
             raise ConflictError(
                 f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded with "
@@ -167,35 +118,11 @@ def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> 
     """
     require_writer(principal)
     sizes = {blob.sha256: blob.size for blob in query.blobs}
-    found = _parallel(lambda sha: _size(context.store, sha), sizes)
-    held = {sha: sizes[sha] for sha, size in zip(sizes, found, strict=True) if size == sizes[sha]}
+    found = stored_sizes(context.store, sizes)
+    held = {sha: size for sha, size in sizes.items() if found[sha] == size}
     with context.transaction() as session:
         repository.claim_blobs(session, sizes=held)
     return BlobsMissing(missing=sorted(set(sizes) - set(held)))
-
-
-def commit(context: Context, principal: Principal, *, bundle_id: int, request: Commit) -> Committed:
-    """Make the bundle complete if nothing is missing; else 409 listing exactly what is."""
-    for _ in range(_COMMIT_ROUNDS):
-        with context.transaction() as session:
-            bundle, run, attempt = _for_write(session, principal, bundle_id, lock=Lock.NONE)
-            _check_epoch(context, run, attempt=attempt, claimed=request.epoch)
-            if bundle.status == BundleStatus.COMPLETE:
-                return Committed(
-                    bundle=bundle_out(session, bundle, run), head_id=run.head_bundle_id
-                )
-            _check_pending(bundle)
-            plan = _plan(session, bundle)
-        stored = _check_blobs(context.store, plan)
-        done = _finish_commit(
-            context, principal, bundle_id, request=request, plan=plan, stored=stored
-        )
-        if done is not None:
-            return done
-    raise ConflictError(
-        f"bundle {bundle_id}: layers kept being recorded while it was committed; commit again "
-        "once every rank has recorded its layers"
-    )
 
 
 def get_bundle(context: Context, principal: Principal, *, bundle_id: int) -> BundleOut:
@@ -228,7 +155,7 @@ def quarantine(
     """Set aside a complete bundle whose stored bytes failed verification: it is never
     resumable again, and the run resumes from the complete bundle before it."""
     with context.transaction() as session:
-        bundle, run, _ = _for_write(session, principal, bundle_id, lock=Lock.UPDATE)
+        bundle, run, _ = for_write(session, principal, bundle_id, lock=Lock.UPDATE)
         if bundle.status not in (BundleStatus.COMPLETE, BundleStatus.QUARANTINED):
             raise ConflictError(
                 f"bundle {bundle.id} is {bundle.status}; only a complete bundle is quarantined"
@@ -250,7 +177,7 @@ def report_save(
     """
     with context.transaction() as session:
         # No row lock: nothing here changes the bundle or its run.
-        bundle, _, _ = _for_write(session, principal, bundle_id, lock=Lock.NONE)
+        bundle, _, _ = for_write(session, principal, bundle_id, lock=Lock.NONE)
         if rank >= bundle.world_size:
             raise InvalidRequestError(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
@@ -299,171 +226,27 @@ def bundle_out(session: Session, bundle: Bundle, run: Run) -> BundleOut:
     )
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What a commit must check: the recorded layers and the blobs they reference."""
-
-    records: dict[tuple[int, Layer], LayerRecord]
-    sizes: dict[str, int]  # every referenced blob
-    verified: frozenset[str]  # those the service read back and hashed before
-
-
-def _plan(session: Session, bundle: Bundle) -> _Plan:
-    records = {
-        (row.rank, Layer(row.layer)): LayerRecord.model_validate(row.record)
-        for row in repository.layers_of(session, bundle_id=bundle.id)
-    }
-    sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
-    known = repository.blobs_by_sha(session, shas=sizes)
-    verified = frozenset(sha for sha, blob in known.items() if blob.verified_at is not None)
-    return _Plan(records=records, sizes=sizes, verified=verified)
-
-
-def _check_blobs(store: ObjectStore, plan: _Plan) -> dict[str, StoredBlob]:
-    """What the store holds of each blob: size always, SHA-256 unless verified before."""
-
-    def check(sha: str) -> StoredBlob:
-        size = _size(store, sha)
-        if size != plan.sizes[sha] or sha in plan.verified:
-            return StoredBlob(size=size)
-        try:
-            data = store.get(keys.blob_key(sha)) if size else b""
-        except StoreError as err:
-            raise StoreUnavailableError(f"cannot read blob {sha} from the store: {err}") from err
-        return StoredBlob(size=len(data), sha256_ok=hashlib.sha256(data).hexdigest() == sha)
-
-    return dict(zip(plan.sizes, _parallel(check, plan.sizes), strict=True))
-
-
-def _finish_commit(
-    context: Context,
-    principal: Principal,
-    bundle_id: int,
-    *,
-    request: Commit,
-    plan: _Plan,
-    stored: Mapping[str, StoredBlob],
-) -> Committed | None:
-    """Decide under the run's lock; None when layers changed since ``plan`` (check again)."""
-    with context.transaction() as session:
-        bundle, run, attempt = _for_write(session, principal, bundle_id, lock=Lock.UPDATE)
-        _check_epoch(context, run, attempt=attempt, claimed=request.epoch)
-        if bundle.status == BundleStatus.COMPLETE:
-            return Committed(bundle=bundle_out(session, bundle, run), head_id=run.head_bundle_id)
-        _check_pending(bundle)
-        now_plan = _plan(session, bundle)
-        if now_plan.records != plan.records:
-            return None
-        missing = completeness.missing(
-            world_size=bundle.world_size, recorded=plan.records, stored=stored
+def _insert_layer(
+    session: Session, bundle: Bundle, *, rank: int, layer: Layer, record: LayerRecord
+) -> models.Layer:
+    """Record a layer seen for the first time: only while the bundle is pending."""
+    if bundle.status != BundleStatus.PENDING:
+        raise ConflictError(
+            f"bundle {bundle.id} is {bundle.status}: layers are recorded only while it is pending"
         )
-        if missing:
-            context.metrics.rejected.labels(reason="incomplete").inc()
-            raise IncompleteError(
-                f"bundle {bundle.id} (run {run.name!r}, step {bundle.step}) is not complete: "
-                f"{_summary(missing)}; record or upload what is listed and commit again",
-                missing=missing.model_dump(mode="json"),
-            )
-        manifest = _manifest(bundle, run, attempt, plan.records)
-        try:
-            context.store.put(
-                keys.manifest_key(run.name, bundle.step),
-                [manifest.model_dump_json(indent=1).encode()],
-            )
-        except StoreError as err:
-            raise StoreUnavailableError(f"cannot write the manifest: {err}") from err
-        now = utcnow()
-        repository.mark_verified(
-            session,
-            sizes={sha: size for sha, size in plan.sizes.items() if sha not in plan.verified},
-            at=now,
-        )
-        bundle.status = BundleStatus.COMPLETE
-        bundle.committed_at = now
-        bundle.manifest = manifest.model_dump(mode="json")
-        run.head_bundle_id = lineage.head_after_commit(
-            run.head_bundle_id, node(bundle), catalog_nodes(session)
-        )
-        context.metrics.committed.inc()
-        context.metrics.committed_bytes.inc(sum(r.payload_bytes for r in plan.records.values()))
-        log.info("run %s: bundle %d (step %d) complete", run.name, bundle.id, bundle.step)
-        return Committed(bundle=bundle_out(session, bundle, run), head_id=run.head_bundle_id)
-
-
-def _manifest(
-    bundle: Bundle,
-    run: Run,
-    attempt: Attempt | None,
-    records: Mapping[tuple[int, Layer], LayerRecord],
-) -> Manifest:
-    ranks: dict[int, dict[Layer, LayerRecord]] = {}
-    for (rank, layer), record in sorted(records.items()):
-        ranks.setdefault(rank, {})[layer] = record
-    return Manifest(
-        run=run.name,
-        step=bundle.step,
-        world_size=bundle.world_size,
-        created_at=bundle.created_at.isoformat(),
-        versions=Versions.model_validate(bundle.versions),
-        ranks=tuple(RankRecord(rank=rank, layers=layers) for rank, layers in ranks.items()),
-        catalog=CatalogRef(
-            bundle_id=bundle.id,
-            parent_id=bundle.parent_id,
-            epoch=attempt.epoch if attempt else 0,
-        ),
+    _claim(session, record)
+    repository.insert_layer(
+        session,
+        bundle_id=bundle.id,
+        rank=rank,
+        layer=layer,
+        payload_bytes=record.payload_bytes,
+        record=record.model_dump(mode="json"),
+        blobs=[blob.sha256 for blob in record.blobs],
     )
-
-
-def _count_save(metrics: Metrics, figures: SaveFigures) -> None:
-    metrics.save_stall.observe(figures.stall_seconds)
-    metrics.save_persist.observe(figures.persist_seconds)
-    metrics.save_payload_bytes.inc(figures.payload_bytes)
-    metrics.save_new_bytes.inc(figures.new_bytes)
-
-
-def _summary(missing: completeness.Missing) -> str:
-    parts = []
-    if missing.ranks:
-        parts.append(f"ranks {missing.ranks} recorded nothing")
-    if missing.layers:
-        parts.append(f"{len(missing.layers)} (rank, layer) parts unrecorded")
-    for problem in completeness.BlobProblem:
-        count = sum(1 for blob in missing.blobs if blob.problem is problem)
-        if count:
-            parts.append(f"{count} blob(s) {problem.value.replace('_', ' ')}")
-    return ", ".join(parts)
-
-
-def _for_write(
-    session: Session, principal: Principal, bundle_id: int, *, lock: Lock
-) -> tuple[Bundle, Run, Attempt | None]:
-    """The bundle, its run and attempt, authorized for writing; rows locked run first."""
-    found = repository.get_bundle(session, bundle_id=bundle_id)
-    if found is None:
-        raise NotFoundError(f"no bundle with id {bundle_id}")
-    run = runs_repository.get_run_by_id(session, run_id=found.run_id, lock=lock)
-    require_write(principal, run.name)
-    bundle = repository.get_bundle(session, bundle_id=bundle_id, lock=lock)
-    assert bundle is not None
-    attempt = (
-        runs_repository.get_attempt(session, attempt_id=bundle.attempt_id)
-        if bundle.attempt_id is not None
-        else None
-    )
-    return bundle, run, attempt
-
-
-def _check_epoch(context: Context, run: Run, *, attempt: Attempt | None, claimed: int) -> None:
-    """Fencing: only the run's current attempt, naming its own epoch, may write."""
-    if attempt is not None and attempt.epoch == run.epoch == claimed:
-        return
-    context.metrics.fenced.inc()
-    raise FencedError(
-        f"epoch {claimed} is fenced: run {run.name!r} is at epoch {run.epoch} (a newer attempt "
-        "registered, or the run was rolled back). Stop writing; this attempt's saves cannot "
-        "move the run's head.",
-        run_epoch=run.epoch,
-    )
+    inserted = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
+    assert inserted is not None
+    return inserted
 
 
 def _check_extends_head(session: Session, run: Run, attempt: Attempt, *, step: int) -> None:
@@ -487,15 +270,6 @@ def _check_extends_head(session: Session, run: Run, attempt: Attempt, *, step: i
         )
 
 
-def _check_pending(bundle: Bundle) -> None:
-    if bundle.status != BundleStatus.PENDING:
-        raise ConflictError(
-            f"bundle {bundle.id} is {bundle.status}"
-            + (f" ({bundle.reason})" if bundle.reason else "")
-            + "; only a pending bundle can be committed"
-        )
-
-
 def _claim(session: Session, record: LayerRecord) -> None:
     """Start the GC grace period of the record's blobs. Their catalog size is what some
     record said until a commit verifies the stored bytes; a commit compares each record's
@@ -503,17 +277,8 @@ def _claim(session: Session, record: LayerRecord) -> None:
     repository.claim_blobs(session, sizes={blob.sha256: blob.size for blob in record.blobs})
 
 
-def _size(store: ObjectStore, sha: str) -> int | None:
-    try:
-        return store.size(keys.blob_key(sha))
-    except StoreError as err:
-        raise StoreUnavailableError(f"the store cannot be read: {err}") from err
-
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def _parallel(action: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    with ThreadPoolExecutor(_STORE_THREADS, thread_name_prefix="ckpt-store") as pool:
-        return list(pool.map(action, items))
+def _count_save(metrics: Metrics, figures: SaveFigures) -> None:
+    metrics.save_stall.observe(figures.stall_seconds)
+    metrics.save_persist.observe(figures.persist_seconds)
+    metrics.save_payload_bytes.inc(figures.payload_bytes)
+    metrics.save_new_bytes.inc(figures.new_bytes)

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query
 
 from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RunPath
 from ckpt.service.names import PRINTABLE
-from ckpt.service.runs import service
+from ckpt.service.runs import attempts, service
 from ckpt.service.runs.schemas import (
     AttemptCreate,
     AttemptEnd,
@@ -66,7 +66,7 @@ def register_attempt(
     run: RunPath, request: AttemptCreate, principal: PrincipalDep, context: ContextDep
 ) -> AttemptRegistered:
     """Register an attempt and get what it resumes from; fences every older attempt."""
-    return service.register_attempt(context, principal, name=run, request=request)
+    return attempts.register_attempt(context, principal, name=run, request=request)
 
 
 @router.post("/attempts/{attempt}/heartbeat")
@@ -75,7 +75,7 @@ def heartbeat(
 ) -> AttemptOut:
     """Report that the attempt is alive (and its step); 409 once it is fenced. An attempt
     marked lost that heartbeats again is alive again."""
-    return service.heartbeat(context, principal, attempt_id=attempt, beat=beat)
+    return attempts.heartbeat(context, principal, attempt_id=attempt, beat=beat)
 
 
 @router.post("/attempts/{attempt}/end")
@@ -84,7 +84,7 @@ def end_attempt(
 ) -> AttemptOut:
     """Record how the attempt ended: finished, preempted or failed (replacing "lost", the
     service's verdict on an attempt whose heartbeats lapsed)."""
-    return service.end_attempt(context, principal, attempt_id=attempt, end=end)
+    return attempts.end_attempt(context, principal, attempt_id=attempt, end=end)
 
 
 @router.get("/runs/{run}/resumable")

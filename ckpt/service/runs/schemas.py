@@ -75,6 +75,10 @@ class AttemptRegistered(BaseModel):
     run: str
     epoch: int
     resume_from: ResumePoint | None
+    store: str = Field(
+        description="the object store this control plane reads (its URL): the agent must "
+        "write its blobs to the same store"
+    )
 
 
 class Heartbeat(_Request):

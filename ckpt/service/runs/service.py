@@ -1,11 +1,10 @@
-"""Runs and their attempts: registration (with fencing and the resume decision), heartbeats,
-lost attempts, steps lost, rollback, lineage and the latest-resumable query."""
+"""Runs: create, list, read and change their retention; roll back; the lineage and the
+latest-resumable query. Also how catalog rows read as lineage nodes and as API models,
+shared with ``attempts.py`` (the attempts of a run) and the bundles service."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
@@ -13,19 +12,14 @@ from ckpt.core.contract import Manifest
 from ckpt.service import lineage
 from ckpt.service.auth.service import Principal, require_read, require_write
 from ckpt.service.context import Context
-from ckpt.service.errors import ConflictError, FencedError, NotFoundError
+from ckpt.service.errors import ConflictError, NotFoundError
 from ckpt.service.lineage import AttemptNode, Node
-from ckpt.service.metrics import Metrics
-from ckpt.service.models import Attempt, Bundle, BundleStatus, EndReason, Role, Run, utcnow
+from ckpt.service.models import Attempt, Bundle, BundleStatus, Role, Run
 from ckpt.service.runs import repository
 from ckpt.service.runs.schemas import (
-    AttemptCreate,
-    AttemptEnd,
     AttemptOut,
-    AttemptRegistered,
     BundleRef,
     Edge,
-    Heartbeat,
     Lineage,
     LineageBundle,
     ResumeEdge,
@@ -39,8 +33,6 @@ from ckpt.service.runs.schemas import (
     RunPage,
 )
 from ckpt.service.sql import Lock
-
-log = logging.getLogger("ckpt.runs")
 
 
 def create_run(context: Context, principal: Principal, request: RunCreate) -> RunOut:
@@ -88,101 +80,6 @@ def patch_retention(
         return run_out(session, run)
 
 
-def register_attempt(
-    context: Context, principal: Principal, *, name: str, request: AttemptCreate
-) -> AttemptRegistered:
-    """Register a new attempt of the run (creating the run if need be) and decide what it
-    resumes from. Its epoch fences every older attempt."""
-    require_write(principal, name)
-    with context.transaction() as session:
-        run, _ = repository.ensure_run(session, name=name)
-        run.epoch += 1
-        start = resumable_bundle(session, run) if request.resume else None
-        previous = repository.last_attempt(session, run_id=run.id)
-        attempt = repository.add_attempt(
-            session,
-            run=run,
-            pod=request.pod,
-            node=request.node,
-            resumed_from_id=start.id if start else None,
-        )
-        context.metrics.attempts.inc()
-        if previous is not None:  # an ended predecessor's steps lost are known now
-            _count_steps_lost(context.metrics, before=None, after=_steps_lost(session, previous))
-        return AttemptRegistered(
-            attempt_id=attempt.id,
-            run=run.name,
-            epoch=attempt.epoch,
-            resume_from=_resume_point(start),
-        )
-
-
-def heartbeat(
-    context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
-) -> AttemptOut:
-    with context.transaction() as session:
-        attempt, run = _attempt(session, principal, attempt_id)
-        if attempt.epoch != run.epoch:
-            raise FencedError(
-                f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
-                f"epoch {run.epoch}; stop writing and exit"
-            )
-        attempt.heartbeat_at = utcnow()
-        if beat.step is not None:
-            attempt.last_step = beat.step
-        if attempt.end_reason == EndReason.LOST:  # it was alive after all (a partition)
-            attempt.ended_at = attempt.end_reason = None
-        # Not fenced, so no successor has registered: nothing is lost yet.
-        return attempt_out(attempt, run, steps_lost=None)
-
-
-def end_attempt(
-    context: Context, principal: Principal, *, attempt_id: int, end: AttemptEnd
-) -> AttemptOut:
-    """Record how an attempt ended (accepted from fenced attempts too: it is history). An
-    attempt marked lost that reports its end was alive after all: its report replaces the
-    verdict."""
-    with context.transaction() as session:
-        attempt, run = _attempt(session, principal, attempt_id)
-        if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
-            if attempt.end_reason == end.reason:
-                return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
-            raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
-        before = _steps_lost(session, attempt)
-        attempt.ended_at = utcnow()
-        attempt.end_reason = end.reason
-        attempt.final_save_committed = end.final_save_committed
-        if end.step is not None:
-            attempt.last_step = end.step
-        after = _steps_lost(session, attempt)
-        _count_steps_lost(context.metrics, before=before, after=after)
-        return attempt_out(attempt, run, steps_lost=after)
-
-
-def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
-    """End as lost every attempt that has not ended and whose last heartbeat (or, without
-    one, its registration) is older than ``lost_after_seconds`` at ``now``; one transaction.
-    Returns their ids. The server runs it periodically; tests pass a ``now`` of their own.
-    """
-    now = now or utcnow()
-    silent_since = now - timedelta(seconds=context.settings.lost_after_seconds)
-    with context.transaction() as session:
-        lost = repository.mark_lost(session, silent_since=silent_since, now=now)
-        steps = [_steps_lost(session, attempt) for attempt in lost]
-    context.metrics.attempts_lost.inc(len(lost))
-    for attempt, lost_steps in zip(lost, steps, strict=True):
-        _count_steps_lost(context.metrics, before=None, after=lost_steps)
-        log.warning(
-            "attempt %d (run %d, epoch %d) is lost: no heartbeat for %.0f s (last step %s)",
-            attempt.id,
-            attempt.run_id,
-            attempt.epoch,
-            context.settings.lost_after_seconds,
-            attempt.last_step,
-        )
-    return [attempt.id for attempt in lost]
-
-
 def rollback(
     context: Context, principal: Principal, *, name: str, request: RollbackRequest
 ) -> RollbackOut:
@@ -211,7 +108,7 @@ def resumable(context: Context, principal: Principal, *, name: str) -> ResumePoi
     require_read(principal, name)
     with context.transaction() as session:
         run = _run(session, name)
-        point = _resume_point(resumable_bundle(session, run))
+        point = resume_point(resumable_bundle(session, run))
         if point is None:
             raise NotFoundError(
                 f"run {name!r} has no resumable bundle yet: no bundle of its live branch is "
@@ -230,7 +127,7 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
         start = lineage.resumable(run.head_bundle_id, nodes)
         attempts = repository.run_attempts(session, run_id=run.id)
         steps = {b.id: b.step for b in bundles}
-        lost = lineage.steps_lost_by_attempt(_attempt_node(a, steps.get) for a in attempts)
+        lost = lineage.steps_lost_by_attempt(attempt_node(a, steps.get) for a in attempts)
         return Lineage(
             run=run.name,
             epoch=run.epoch,
@@ -258,7 +155,7 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
         )
 
 
-# Shared with the bundles service.
+# Shared with the attempts and bundles services.
 
 
 def node(bundle: Bundle) -> Node:
@@ -329,41 +226,8 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
     )
 
 
-def _run(session: Session, name: str, *, lock: Lock = Lock.NONE) -> Run:
-    run = repository.get_run(session, name=name, lock=lock)
-    if run is None:
-        raise NotFoundError(f"no run named {name!r}")
-    return run
-
-
-def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
-    """The attempt locked for a change, its run share-locked: the run first, as every
-    other write locks (opening a bundle locks the run, then references the attempt)."""
-    found = repository.get_attempt(session, attempt_id=attempt_id)
-    if found is None:
-        raise NotFoundError(f"no attempt with id {attempt_id}")
-    run = repository.get_run_by_id(session, run_id=found.run_id, lock=Lock.SHARE)
-    require_write(principal, run.name)
-    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
-    assert attempt is not None
-    return attempt, run
-
-
-def _steps_lost(session: Session, attempt: Attempt) -> int | None:
-    """The attempt's steps lost, as the catalog stands in this transaction."""
-    successor = repository.next_attempt(session, run_id=attempt.run_id, epoch=attempt.epoch)
-
-    def step_of(bundle_id: int) -> int | None:
-        bundle = session.get(Bundle, bundle_id)
-        return bundle.step if bundle else None
-
-    return lineage.steps_lost(
-        _attempt_node(attempt, step_of),
-        _attempt_node(successor, step_of) if successor else None,
-    )
-
-
-def _attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> AttemptNode:
+def attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> AttemptNode:
+    """The attempt as the steps-lost rule sees it; ``step_of`` gives a bundle's step."""
     resumed = attempt.resumed_from_id
     return AttemptNode(
         id=attempt.id,
@@ -374,24 +238,25 @@ def _attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> Att
     )
 
 
-def _count_steps_lost(metrics: Metrics, *, before: int | None, after: int | None) -> None:
-    """Count what a change made newly known (a lost attempt that reports its end may have
-    reported a later step)."""
-    if after is not None and after > (before or 0):
-        metrics.steps_lost.inc(after - (before or 0))
-
-
-def _ref(bundle: Bundle) -> BundleRef:
-    return BundleRef(id=bundle.id, step=bundle.step, status=bundle.status)
-
-
-def _resume_point(bundle: Bundle | None) -> ResumePoint | None:
+def resume_point(bundle: Bundle | None) -> ResumePoint | None:
+    """What an attempt resumes from: the bundle and its manifest (None: it starts fresh)."""
     if bundle is None:
         return None
     assert bundle.manifest is not None, "a complete bundle has a manifest"
     return ResumePoint(
         bundle_id=bundle.id, step=bundle.step, manifest=Manifest.model_validate(bundle.manifest)
     )
+
+
+def _run(session: Session, name: str, *, lock: Lock = Lock.NONE) -> Run:
+    run = repository.get_run(session, name=name, lock=lock)
+    if run is None:
+        raise NotFoundError(f"no run named {name!r}")
+    return run
+
+
+def _ref(bundle: Bundle) -> BundleRef:
+    return BundleRef(id=bundle.id, step=bundle.step, status=bundle.status)
 
 
 def _lineage_bundle(bundle: Bundle, *, live: bool) -> LineageBundle:

@@ -1,0 +1,160 @@
+"""``ckpt server``, ``migrate``, ``gc`` and ``catalog rebuild``: running the control plane
+and maintaining its catalog."""
+
+from __future__ import annotations
+
+import argparse
+
+from ckpt.cli.config import (
+    CATALOG,
+    Commands,
+    add_command,
+    add_group,
+    open_context,
+    redact,
+    settings,
+)
+from ckpt.core.version import __version__
+
+SERVER = """
+    Run the control plane: the REST API through which training jobs register attempts
+    and commit bundles, and which answers where a run resumes. It also collects garbage
+    every CKPT_GC_INTERVAL_SECONDS (default 600).
+
+    With nothing configured it is the embedded default: a SQLite catalog in
+    ./.ckpt/catalog.db, the directory store ./.ckpt/store, and an admin token it
+    generates into ./.ckpt/admin-token. For a shared deployment set CKPT_DATABASE_URL
+    (postgresql+psycopg://...), CKPT_STORE (a directory, or s3://bucket/prefix with
+    CKPT_S3_ENDPOINT for MinIO) and CKPT_ADMIN_TOKEN.
+
+    Prints its address, the catalog, the store and where the admin token is, then serves
+    until stopped.
+"""
+
+MIGRATE = f"""
+    Upgrade the catalog's schema to --revision (default: the newest). {CATALOG}
+
+    The embedded SQLite catalog upgrades itself when the server starts; a shared
+    PostgreSQL catalog does not (CKPT_AUTO_MIGRATE is off for it), so run this once per
+    release before starting the servers. Prints the revision reached.
+"""
+
+GC = f"""
+    Collect garbage once, now: fail bundles pending for longer than
+    CKPT_PENDING_TTL_SECONDS, delete the bundles each run's retention policy lets go
+    (CKPT_KEEP_LAST and CKPT_KEEP_EVERY for runs that set none), and delete from the store
+    (CKPT_STORE) the blobs no bundle references once CKPT_BLOB_GRACE_SECONDS have passed.
+    {CATALOG}
+
+    A running server does the same every CKPT_GC_INTERVAL_SECONDS. Prints the report as
+    JSON (failed_bundles, deleted_bundles, deleted_blobs, deleted_bytes, young_blobs).
+"""
+
+CATALOG_GROUP = "Maintain the catalog of runs and bundles. " + CATALOG
+
+REBUILD = f"""
+    Recreate the catalog from the store (CKPT_STORE): every manifest found there becomes
+    a run and a complete bundle again, with its lineage; a bundle whose blobs are missing
+    from the store is added as failed. Bundles already in the catalog are kept. For a lost
+    or damaged database. {CATALOG}
+
+    Prints the report as JSON (runs, added, failed, skipped, unreadable).
+"""
+
+
+def add_commands(commands: Commands) -> None:
+    """``server``, ``migrate`` and ``gc``."""
+    server = add_command(
+        commands,
+        "server",
+        summary="run the control plane (embedded default: SQLite + ./.ckpt/store)",
+        description=SERVER,
+    )
+    server.add_argument("--host", help="listen address (CKPT_HOST, default 127.0.0.1)")
+    server.add_argument("--port", type=int, help="port (CKPT_PORT, default 8470)")
+    server.set_defaults(handler=_server)
+
+    migrate = add_command(
+        commands,
+        "migrate",
+        summary="upgrade the catalog schema (CKPT_DATABASE_URL)",
+        description=MIGRATE,
+    )
+    migrate.add_argument("--revision", default="head", help="target revision (default: head)")
+    migrate.set_defaults(handler=_migrate)
+
+    gc = add_command(
+        commands,
+        "gc",
+        summary="apply retention and delete unreferenced blobs now",
+        description=GC,
+    )
+    gc.add_argument("--dry-run", action="store_true", help="report what would go; change nothing")
+    gc.set_defaults(handler=_gc)
+
+
+def add_catalog_commands(commands: Commands) -> None:
+    """``catalog rebuild``."""
+    actions = add_group(
+        commands, "catalog", summary="maintain the catalog", description=CATALOG_GROUP
+    )
+    rebuild = add_command(
+        actions,
+        "rebuild",
+        summary="recreate missing runs and bundles from the manifests in the store",
+        description=REBUILD,
+    )
+    rebuild.set_defaults(handler=_catalog_rebuild)
+
+
+def _server(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from ckpt.service.app import create_app
+
+    current = settings(host=args.host, port=args.port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    app = create_app(current)
+    print(f"ckpt control plane {__version__} on http://{current.host}:{current.port}", flush=True)
+    print(f"  catalog: {redact(current.database_url)}", flush=True)
+    print(f"  store:   {app.state.context.store.url}", flush=True)
+    if current.embedded and not current.admin_token:
+        print(f"  admin token: in {current.admin_token_file}", flush=True)
+    uvicorn.run(app, host=current.host, port=current.port, log_level="warning")
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from ckpt.service.db import upgrade
+
+    current = settings()
+    upgrade(current.database_url, args.revision)
+    print(f"catalog {redact(current.database_url)} is at {args.revision}")
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from ckpt.service.gc.service import collect
+
+    context = open_context()
+    try:
+        report = collect(context, dry_run=args.dry_run)
+    finally:
+        context.close()
+    print(report.model_dump_json(indent=2))
+    return 0
+
+
+def _catalog_rebuild(_: argparse.Namespace) -> int:
+    from ckpt.service.rebuild import rebuild
+
+    context = open_context()
+    try:
+        report = rebuild(context)
+    finally:
+        context.close()
+    print(report.model_dump_json(indent=2))
+    return 0

@@ -1,0 +1,57 @@
+"""What the store holds of blobs, read outside any transaction and many at once: sizes, and
+the SHA-256 of those not verified before. A store that cannot be read is a
+``StoreUnavailableError``."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from ckpt.core.errors import StoreError
+from ckpt.core.storage import ObjectStore, keys
+from ckpt.service.completeness import StoredBlob
+from ckpt.service.errors import StoreUnavailableError
+
+_STORE_THREADS = 4
+
+
+def stored_sizes(store: ObjectStore, shas: Iterable[str]) -> dict[str, int | None]:
+    """The stored size of each blob; None for a blob the store does not hold."""
+    order = list(shas)
+    return dict(zip(order, _parallel(lambda sha: _size(store, sha), order), strict=True))
+
+
+def stored_blobs(
+    store: ObjectStore, sizes: Mapping[str, int], *, verified: frozenset[str]
+) -> dict[str, StoredBlob]:
+    """What the store holds of each blob: size always, SHA-256 unless verified before."""
+
+    def check(sha: str) -> StoredBlob:
+        size = _size(store, sha)
+        if size != sizes[sha] or sha in verified:
+            return StoredBlob(size=size)
+        try:
+            data = store.get(keys.blob_key(sha)) if size else b""
+        except StoreError as err:
+            raise StoreUnavailableError(f"cannot read blob {sha} from the store: {err}") from err
+        return StoredBlob(size=len(data), sha256_ok=hashlib.sha256(data).hexdigest() == sha)
+
+    return dict(zip(sizes, _parallel(check, sizes), strict=True))
+
+
+def _size(store: ObjectStore, sha: str) -> int | None:
+    try:
+        return store.size(keys.blob_key(sha))
+    except StoreError as err:
+        raise StoreUnavailableError(f"the store cannot be read: {err}") from err
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _parallel(action: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    with ThreadPoolExecutor(_STORE_THREADS, thread_name_prefix="ckpt-store") as pool:
+        return list(pool.map(action, items))

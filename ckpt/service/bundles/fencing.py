@@ -1,0 +1,47 @@
+"""Who may write to a bundle: the bundle, its run and attempt loaded in lock order and
+authorized for writing, and the epoch fence that turns away every attempt but the run's
+current one."""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from ckpt.service.auth.service import Principal, require_write
+from ckpt.service.bundles import repository
+from ckpt.service.context import Context
+from ckpt.service.errors import FencedError, NotFoundError
+from ckpt.service.models import Attempt, Bundle, Run
+from ckpt.service.runs import repository as runs_repository
+from ckpt.service.sql import Lock
+
+
+def for_write(
+    session: Session, principal: Principal, bundle_id: int, *, lock: Lock
+) -> tuple[Bundle, Run, Attempt | None]:
+    """The bundle, its run and attempt, authorized for writing; rows locked run first."""
+    found = repository.get_bundle(session, bundle_id=bundle_id)
+    if found is None:
+        raise NotFoundError(f"no bundle with id {bundle_id}")
+    run = runs_repository.get_run_by_id(session, run_id=found.run_id, lock=lock)
+    require_write(principal, run.name)
+    bundle = repository.get_bundle(session, bundle_id=bundle_id, lock=lock)
+    assert bundle is not None
+    attempt = (
+        runs_repository.get_attempt(session, attempt_id=bundle.attempt_id)
+        if bundle.attempt_id is not None
+        else None
+    )
+    return bundle, run, attempt
+
+
+def check_epoch(context: Context, run: Run, *, attempt: Attempt | None, claimed: int) -> None:
+    """Fencing: only the run's current attempt, naming its own epoch, may write."""
+    if attempt is not None and attempt.epoch == run.epoch == claimed:
+        return
+    context.metrics.fenced.inc()
+    raise FencedError(
+        f"epoch {claimed} is fenced: run {run.name!r} is at epoch {run.epoch} (a newer attempt "
+        "registered, or the run was rolled back). Stop writing; this attempt's saves cannot "
+        "move the run's head.",
+        run_epoch=run.epoch,
+    )

@@ -1,0 +1,159 @@
+"""Attempts of a run, from registration to their end: registration (with fencing and the
+resume decision), heartbeats, the end report, marking silent attempts lost, and counting
+the steps each ended attempt lost."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from ckpt.service import lineage
+from ckpt.service.auth.service import Principal, require_write
+from ckpt.service.context import Context
+from ckpt.service.errors import ConflictError, FencedError, NotFoundError
+from ckpt.service.metrics import Metrics
+from ckpt.service.models import Attempt, Bundle, EndReason, Run, utcnow
+from ckpt.service.runs import repository
+from ckpt.service.runs.schemas import (
+    AttemptCreate,
+    AttemptEnd,
+    AttemptOut,
+    AttemptRegistered,
+    Heartbeat,
+)
+from ckpt.service.runs.service import attempt_node, attempt_out, resumable_bundle, resume_point
+from ckpt.service.sql import Lock
+
+log = logging.getLogger("ckpt.runs")
+
+
+def register_attempt(
+    context: Context, principal: Principal, *, name: str, request: AttemptCreate
+) -> AttemptRegistered:
+    """Register a new attempt of the run (creating the run if need be) and decide what it
+    resumes from. Its epoch fences every older attempt."""
+    require_write(principal, name)
+    with context.transaction() as session:
+        run, _ = repository.ensure_run(session, name=name)
+        run.epoch += 1
+        start = resumable_bundle(session, run) if request.resume else None
+        previous = repository.last_attempt(session, run_id=run.id)
+        attempt = repository.add_attempt(
+            session,
+            run=run,
+            pod=request.pod,
+            node=request.node,
+            resumed_from_id=start.id if start else None,
+        )
+        context.metrics.attempts.inc()
+        if previous is not None:  # an ended predecessor's steps lost are known now
+            _count_steps_lost(context.metrics, before=None, after=_steps_lost(session, previous))
+        return AttemptRegistered(
+            attempt_id=attempt.id,
+            run=run.name,
+            epoch=attempt.epoch,
+            resume_from=resume_point(start),
+            store=context.store.url,
+        )
+
+
+def heartbeat(
+    context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
+) -> AttemptOut:
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if attempt.epoch != run.epoch:
+            raise FencedError(
+                f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
+                f"epoch {run.epoch}; stop writing and exit"
+            )
+        attempt.heartbeat_at = utcnow()
+        if beat.step is not None:
+            attempt.last_step = beat.step
+        if attempt.end_reason == EndReason.LOST:  # it was alive after all (a partition)
+            attempt.ended_at = attempt.end_reason = None
+        # Not fenced, so no successor has registered: nothing is lost yet.
+        return attempt_out(attempt, run, steps_lost=None)
+
+
+def end_attempt(
+    context: Context, principal: Principal, *, attempt_id: int, end: AttemptEnd
+) -> AttemptOut:
+    """Record how an attempt ended (accepted from fenced attempts too: it is history). An
+    attempt marked lost that reports its end was alive after all: its report replaces the
+    verdict."""
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
+            if attempt.end_reason == end.reason:
+                return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
+            raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
+        before = _steps_lost(session, attempt)
+        attempt.ended_at = utcnow()
+        attempt.end_reason = end.reason
+        attempt.final_save_committed = end.final_save_committed
+        if end.step is not None:
+            attempt.last_step = end.step
+        after = _steps_lost(session, attempt)
+        _count_steps_lost(context.metrics, before=before, after=after)
+        return attempt_out(attempt, run, steps_lost=after)
+
+
+def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
+    """End as lost every attempt that has not ended and whose last heartbeat (or, without
+    one, its registration) is older than ``lost_after_seconds`` at ``now``; one transaction.
+    Returns their ids. The server runs it periodically; tests pass a ``now`` of their own.
+    """
+    now = now or utcnow()
+    silent_since = now - timedelta(seconds=context.settings.lost_after_seconds)
+    with context.transaction() as session:
+        lost = repository.mark_lost(session, silent_since=silent_since, now=now)
+        steps = [_steps_lost(session, attempt) for attempt in lost]
+    context.metrics.attempts_lost.inc(len(lost))
+    for attempt, lost_steps in zip(lost, steps, strict=True):
+        _count_steps_lost(context.metrics, before=None, after=lost_steps)
+        log.warning(
+            "attempt %d (run %d, epoch %d) is lost: no heartbeat for %.0f s (last step %s)",
+            attempt.id,
+            attempt.run_id,
+            attempt.epoch,
+            context.settings.lost_after_seconds,
+            attempt.last_step,
+        )
+    return [attempt.id for attempt in lost]
+
+
+def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
+    """The attempt locked for a change, its run share-locked: the run first, as every
+    other write locks (opening a bundle locks the run, then references the attempt)."""
+    found = repository.get_attempt(session, attempt_id=attempt_id)
+    if found is None:
+        raise NotFoundError(f"no attempt with id {attempt_id}")
+    run = repository.get_run_by_id(session, run_id=found.run_id, lock=Lock.SHARE)
+    require_write(principal, run.name)
+    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
+    assert attempt is not None
+    return attempt, run
+
+
+def _steps_lost(session: Session, attempt: Attempt) -> int | None:
+    """The attempt's steps lost, as the catalog stands in this transaction."""
+    successor = repository.next_attempt(session, run_id=attempt.run_id, epoch=attempt.epoch)
+
+    def step_of(bundle_id: int) -> int | None:
+        bundle = session.get(Bundle, bundle_id)
+        return bundle.step if bundle else None
+
+    return lineage.steps_lost(
+        attempt_node(attempt, step_of),
+        attempt_node(successor, step_of) if successor else None,
+    )
+
+
+def _count_steps_lost(metrics: Metrics, *, before: int | None, after: int | None) -> None:
+    """Count what a change made newly known (a lost attempt that reports its end may have
+    reported a later step)."""
+    if after is not None and after > (before or 0):
+        metrics.steps_lost.inc(after - (before or 0))

@@ -1,0 +1,74 @@
+"""What a user sees without configuring logging: one line per resume and per durable save,
+in words (no internal reprs), silenced by CKPT_QUIET."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ckpt.agent.policy import Position
+from ckpt.agent.preemption import describe
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from ckpt import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Checkpointer(run="words", store=sys.argv[1], models=model, optimizers=optimizer) as ckpt:
+        ckpt.resume()
+        ckpt.counters.step += 5
+        ckpt.counters.micro_step = 2
+        ckpt.save().wait()
+    """
+)
+
+
+def run(store: Path, **env: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(store)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, **env},
+    )
+    return done.stderr
+
+
+def test_each_resume_and_durable_save_prints_one_line(tmp_path: Path) -> None:
+    first = run(tmp_path / "store").splitlines()
+    assert len(first) == 2, first
+    assert first[0].startswith("ckpt: run words: no resumable bundle in file://")
+    assert first[1].startswith("ckpt: run words: saved step 5, micro step 2: ")
+    assert "new), stall " in first[1] and "durable after " in first[1]
+    second = run(tmp_path / "store").splitlines()
+    assert second[0] == (
+        "ckpt: run words: resumed from runs/words/bundles/000000000005 at step 5, micro step 2 "
+        "(layers weights, optimizer, scheduler, rng, data, counters)"
+    )
+    assert second[1].startswith("ckpt: run words: saved step 10, micro step 2: ")
+
+
+def test_quiet_prints_nothing(tmp_path: Path) -> None:
+    assert run(tmp_path / "store", CKPT_QUIET="1") == ""
+
+
+@pytest.mark.parametrize(
+    ("position", "text"),
+    [(Position(50, 0), "step 50"), (Position(50, 3), "step 50, micro step 3")],
+)
+def test_positions_read_as_words(position: Position, text: str) -> None:
+    assert str(position) == text
+    assert describe(position) == f"the last bundle is at {text}"
+
+
+def test_no_bundle_reads_as_words() -> None:
+    assert describe(None) == "nothing is saved yet, so the run starts over"

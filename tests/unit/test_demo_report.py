@@ -1,0 +1,118 @@
+"""What ``ckpt demo`` prints: commands that work as printed, every attempt, and the SIGKILL
+drill as it happened. (The demo itself runs in tests/integration/test_demo.py.)"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt.agent.demo.report import ckpt_command, format_attempt, format_drill
+
+
+def executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\necho ckpt-here\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def venv(tmp_path: Path) -> Path:
+    """A project directory with ``.venv/bin/{python,ckpt}``; returns the project."""
+    project = tmp_path / "my project"
+    executable(project / ".venv" / "bin" / "python")
+    executable(project / ".venv" / "bin" / "ckpt")
+    return project
+
+
+def test_the_console_script_under_the_cwd_is_shown_relative(venv: Path) -> None:
+    script = venv / ".venv" / "bin" / "ckpt"
+    python = str(venv / ".venv" / "bin" / "python")
+    assert ckpt_command(script=str(script), on_path=None, python=python, cwd=venv) == (
+        ".venv/bin/ckpt"
+    )
+    # as typed: a relative argv[0]
+    assert ckpt_command(script=".venv/bin/ckpt", on_path=None, python=python, cwd=venv) == (
+        ".venv/bin/ckpt"
+    )
+
+
+def test_the_name_alone_when_path_finds_this_very_script(venv: Path) -> None:
+    script = str(venv / ".venv" / "bin" / "ckpt")
+    python = str(venv / ".venv" / "bin" / "python")
+    assert ckpt_command(script=script, on_path=script, python=python, cwd=venv) == "ckpt"
+
+
+def test_another_ckpt_on_path_is_not_trusted(venv: Path, tmp_path: Path) -> None:
+    other = executable(tmp_path / "elsewhere" / "ckpt")
+    script = str(venv / ".venv" / "bin" / "ckpt")
+    python = str(venv / ".venv" / "bin" / "python")
+    assert ckpt_command(script=script, on_path=str(other), python=python, cwd=venv) == (
+        ".venv/bin/ckpt"
+    )
+
+
+def test_outside_the_cwd_the_path_is_absolute_and_quoted(venv: Path, tmp_path: Path) -> None:
+    script = venv / ".venv" / "bin" / "ckpt"
+    python = str(venv / ".venv" / "bin" / "python")
+    elsewhere = tmp_path / "work"
+    elsewhere.mkdir()
+    shown = ckpt_command(script=str(script), on_path=None, python=python, cwd=elsewhere)
+    assert shlex.split(shown) == [str(script)]
+    done = subprocess.run(
+        f"{shown} --version", shell=True, capture_output=True, text=True, check=True
+    )
+    assert done.stdout == "ckpt-here\n"  # it runs as printed, space in the path and all
+
+
+def test_python_dash_m_finds_the_script_beside_its_interpreter(venv: Path) -> None:
+    python = str(venv / ".venv" / "bin" / "python")
+    main = str(venv / "src" / "ckpt" / "__main__.py")
+    assert ckpt_command(script=main, on_path=None, python=python, cwd=venv) == ".venv/bin/ckpt"
+
+
+def test_without_a_console_script_it_is_python_dash_m(tmp_path: Path) -> None:
+    python = executable(tmp_path / "env" / "bin" / "python")
+    shown = ckpt_command(script="-c", on_path=None, python=str(python), cwd=tmp_path)
+    assert shown == "env/bin/python -m ckpt"
+
+
+def attempt(epoch: int, reason: str | None, step: int | None, **more: Any) -> dict[str, Any]:
+    fields = {"final_save_committed": None, "steps_lost": None, **more}
+    return {"epoch": epoch, "end_reason": reason, "last_step": step, **fields}
+
+
+@pytest.mark.parametrize(
+    ("row", "line"),
+    [
+        (
+            attempt(1, "lost", 2, steps_lost=2),
+            "  attempt 1: lost at step 2 (killed: no final save, no goodbye), steps lost: 2",
+        ),
+        (
+            attempt(2, "preempted", 12, final_save_committed=True, steps_lost=0),
+            "  attempt 2: preempted at step 12, final save committed: yes, steps lost: 0",
+        ),
+        (
+            attempt(3, "preempted", 25, final_save_committed=False),
+            "  attempt 3: preempted at step 25, final save committed: no, steps lost: ?",
+        ),
+        (attempt(4, "finished", 30), "  attempt 4: finished at step 30"),
+        (attempt(5, None, None), "  attempt 5: not ended at step ?, steps lost: ?"),
+    ],
+)
+def test_format_attempt(row: dict[str, Any], line: str) -> None:
+    assert format_attempt(row) == line
+
+
+def test_format_drill_says_what_happened() -> None:
+    assert format_drill({"outcome": "killed", "step": 10}, step=10) == (
+        "fired while the bundle of step 10 was uploading"
+    )
+    skipped = format_drill({"outcome": "nothing to upload", "step": 10}, step=10)
+    assert skipped.startswith("did not fire: the bundle of step 10 had nothing to upload")
+    assert format_drill(None, step=15).startswith("did not fire: no attempt saved")
