@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ckpt import Checkpointer
 from ckpt.agent.format.payload import tensor_bytes
 from ckpt.agent.manifests import latest_manifest
-from ckpt.agent.threads import IO_THREADS
 from ckpt.core.storage import ObjectStore, keys, open_store
+from ckpt.core.threads import IO_THREADS
 
 GB = 1e9
 

@@ -231,7 +231,8 @@ class Checkpointer:
                 the one that failed are already restored: rebuild the objects before training.
         """
         self.wait()
-        wanted = tuple(layer for layer in RESTORE_ORDER if layer in {Layer(x) for x in layers})
+        chosen = {Layer(layer) for layer in layers}
+        wanted = tuple(layer for layer in RESTORE_ORDER if layer in chosen)
         source = from_run or self.config.run
         own = source == self.config.run
         manifest, states = self._restorer.read_newest_intact(source, own=own, wanted=wanted)
@@ -242,7 +243,8 @@ class Checkpointer:
             )
             return ResumeResult(bundle=None, step=None, layers=())
         capture.put_back(self.objects, states, bundle=bundle_name(manifest))
-        self._resumed_at(manifest.step, own=own)
+        self._resumed_at(manifest.step, own=own, whole=wanted == RESTORE_ORDER)
+        self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
         announce(
             f"ckpt: run {self.config.run}: resumed from {bundle_name(manifest)} at "
             f"{self._position()} (layers {', '.join(wanted)})",
@@ -250,14 +252,16 @@ class Checkpointer:
         )
         return ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=wanted)
 
-    def _resumed_at(self, step: int, *, own: bool) -> None:
-        """The restored position is where the loop continues, and (own run) is durable."""
+    def _resumed_at(self, step: int, *, own: bool, whole: bool) -> None:
+        """The restored position is where the loop continues, and (the run's own bundle,
+        every layer) is durable."""
         self._last_saved = self._position()
         self._last_save_time = time.monotonic()
         self._epochs.restart()
         if own:
             self._catalog.own_step(step)
-            self._persister.durable_at = self._position()
+        if own and whole:
+            self._persister.resumed_at(self._position())
 
     def batches(self) -> Iterator[Any]:
         """Iterate the rest of the current epoch of ``data``, then advance the epoch.

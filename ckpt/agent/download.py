@@ -11,10 +11,10 @@ import torch
 from ckpt.agent.format import payload
 from ckpt.agent.format.skeleton import JSON
 from ckpt.agent.manifests import bundle_name, layer_record
-from ckpt.agent.threads import parallel
 from ckpt.core.contract import BlobRef, Layer, Manifest
 from ckpt.core.errors import BadObjectError, BundleFormatError, CorruptBundleError, StoreError
 from ckpt.core.storage import ObjectStore, keys
+from ckpt.core.threads import parallel
 
 
 def read_layer(

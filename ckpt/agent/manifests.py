@@ -19,7 +19,7 @@ from ckpt.core.errors import BundleFormatError
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.version import __version__
 
-log = logging.getLogger("ckpt.bundle")
+log = logging.getLogger("ckpt")
 
 
 def versions() -> Versions:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 import torch
@@ -17,6 +17,8 @@ from torch import nn
 from ckpt.agent.counters import Counters
 from ckpt.agent.data import DataSource, data_source
 from ckpt.agent.stateful import Stateful
+
+T = TypeVar("T")
 
 Generator = torch.Generator | np.random.Generator | np.random.RandomState
 GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState)
@@ -36,11 +38,14 @@ class TrainingObjects:
     counters: Counters = field(default_factory=Counters)
 
 
+Some: TypeAlias = T | Iterable[T] | Mapping[str, T]  # one, a list, or a dict by name
+
+
 def gather(
     *,
-    models: nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module],
-    optimizers: object,
-    schedulers: object,
+    models: Some[nn.Module],
+    optimizers: Some[torch.optim.Optimizer] | None,
+    schedulers: Some[Stateful] | None,
     data: object | None,
     scaler: Stateful | None,
     extras: Mapping[str, Stateful] | None,
@@ -72,7 +77,7 @@ def gather(
     return objects
 
 
-def named(objects: Any, kind: type[Any]) -> dict[str, Any]:
+def named(objects: Some[T] | None, kind: type[Any]) -> dict[str, T]:
     """``{name: object}`` from one object (named "0"), a list (named by position) or a dict."""
     if objects is None:
         return {}

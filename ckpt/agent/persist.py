@@ -177,6 +177,10 @@ class Persister:
         self.wait()
         return True
 
+    def resumed_at(self, position: Position) -> None:
+        """The bundle a resume restored is durable at ``position``."""
+        self.durable_at = position
+
     def close(self) -> None:
         """Release the thread, after the save in flight (if any) ends."""
         self._thread.shutdown(wait=True)
@@ -218,7 +222,7 @@ class Persister:
         if not kept:
             self.durable_at = position
         self.save_seconds = result.stall_seconds + result.persist_seconds
-        self._announce(result, position)
+        self._announce(result, position, kept=kept)
         self._report(manifest.catalog.bundle_id if manifest.catalog else None, result)
         return result
 
@@ -250,8 +254,15 @@ class Persister:
 
         return upload
 
-    def _announce(self, result: SaveResult, position: Position) -> None:
+    def _announce(self, result: SaveResult, position: Position, *, kept: bool) -> None:
         """One line per durable save; the details at debug level."""
+        if kept:
+            announce(
+                f"ckpt: run {self._run}: kept the bundle this attempt committed at step "
+                f"{result.step}; {position} is not saved",
+                quiet=self._quiet,
+            )
+            return
         announce(
             f"ckpt: run {self._run}: saved {position}: {format_bytes(result.payload_bytes)} "
             f"({format_bytes(result.new_bytes)} new), stall {result.stall_seconds:.3f} s, "

@@ -104,10 +104,8 @@ class Preemption:
 
     def _finish_in_flight(self) -> bool:
         """Wait for the save in flight within the budget; False when time ran out."""
-        if self._persister.in_flight is None:
-            return True
         try:
-            self._persister.in_flight.wait(timeout=max(self._budget(), 0.0))
+            self._persister.wait(timeout=max(self._budget(), 0.0))
         except TimeoutError:
             log.error(
                 "run %s: the save in flight did not finish within the grace period", self._run
@@ -115,7 +113,6 @@ class Preemption:
             return False
         except CkptError as err:
             log.error("run %s: the save in flight failed: %s", self._run, err)
-        self._persister.in_flight = None
         return True
 
     def _emergency_save(self) -> bool:

@@ -8,6 +8,7 @@ script that never touched ``logging`` still sees what ckpt did. ``quiet``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -20,7 +21,8 @@ def announce(message: str, *, quiet: bool) -> None:
     elif log.hasHandlers():
         log.info("%s", message)
     else:
-        print(message, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # a broken stderr fails no save
+            print(message, file=sys.stderr, flush=True)
 
 
 def format_bytes(count: int) -> str:

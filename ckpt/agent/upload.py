@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from ckpt.agent.capture import LayerState
 from ckpt.agent.format import payload
 from ckpt.agent.format.chunking import GROUP_BYTES, plan_blobs
-from ckpt.agent.threads import parallel
 from ckpt.core.contract import BlobRef, LayerRecord
 from ckpt.core.storage import ObjectStore, keys
+from ckpt.core.threads import parallel
 
 
 @dataclass

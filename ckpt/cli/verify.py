@@ -44,8 +44,8 @@ def _verify(args: argparse.Namespace) -> int:
     from ckpt.core.storage import open_store
     from ckpt.core.verify import find_manifest, verify
 
-    store = open_store(args.store or settings().store)
     try:
+        store = open_store(args.store or settings().store)
         manifest = find_manifest(store, args.run, step=args.step)
     except (LookupError, ValueError) as err:
         print(f"ckpt verify: {err}", file=sys.stderr)

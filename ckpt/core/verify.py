@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -16,6 +15,7 @@ from pydantic import ValidationError
 from ckpt.core.contract import BlobRef, Manifest
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import ObjectStore, keys
+from ckpt.core.threads import parallel
 
 _THREADS = 8
 
@@ -77,8 +77,7 @@ def verify(
             report.bad[blob.sha256] = problem
         progress(blob.size)
 
-    with ThreadPoolExecutor(_THREADS, thread_name_prefix="ckpt-verify") as pool:
-        list(pool.map(check, blobs.values()))
+    parallel(check, blobs.values(), threads=_THREADS)
     report.blobs = len(blobs)
     report.bytes = sum(blob.size for blob in blobs.values())
     return report

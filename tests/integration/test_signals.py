@@ -64,10 +64,18 @@ def test_closing_checkpointers_out_of_order_leaves_no_dead_handler() -> None:
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-class SlowStore(DirectoryStore):
+class GatedStore(DirectoryStore):
+    """Blob writes wait until released: a persist that is certainly still in flight."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         kept = list(pieces)
-        time.sleep(0.5)
+        self.writing.set()
+        assert self.release.wait(timeout=300)
         super().put(key, kept)
 
 
@@ -75,15 +83,22 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path) -> None:
     """Ctrl-C inside wait(): the persist still reads the staging buffers, so the next save
     must wait for it rather than copy new state into them."""
     model = nn.Linear(64, 64)
-    ckpt = Checkpointer(run="r", models=model, store=SlowStore(tmp_path), handle_signals=False)
+    store = GatedStore(tmp_path)
+    ckpt = Checkpointer(run="r", models=model, store=store, handle_signals=False)
     first = ckpt.save()
-    threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+
+    def interrupt_once_writing() -> None:
+        assert store.writing.wait(timeout=300)
+        os.kill(os.getpid(), signal.SIGINT)
+
     with pytest.raises(KeyboardInterrupt):
-        ckpt.wait()
+        threading.Thread(target=interrupt_once_writing).start()
+        ckpt.wait()  # blocks until the interrupt: the persist cannot end before release
     assert not first.done()
     with torch.no_grad():
         model.weight.add_(1.0)
     ckpt.counters.step = 1
+    store.release.set()
     second = ckpt.save()  # waits for the first persist before staging
     assert first.done() and first.durable
     second.wait()

@@ -72,3 +72,15 @@ def test_positions_read_as_words(position: Position, text: str) -> None:
 
 def test_no_bundle_reads_as_words() -> None:
     assert describe(None) == "nothing is saved yet, so the run starts over"
+
+
+def test_a_broken_stderr_fails_no_save(tmp_path: Path) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "store")],
+        stderr=subprocess.PIPE,
+        env=os.environ,
+    ) as process:
+        assert process.stderr is not None
+        process.stderr.close()  # every line ckpt prints now raises BrokenPipeError
+        assert process.wait(timeout=300) == 0
+    assert (tmp_path / "store" / "runs" / "words" / "bundles" / "000000000005").is_dir()

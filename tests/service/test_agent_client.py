@@ -177,3 +177,47 @@ def test_the_registration_names_the_control_planes_store(server: Server, run_nam
     with server.client() as client:
         answer = client.post(f"/v1/runs/{run_name}/attempts", json={"resume": True}).json()
     assert answer["store"] == server.store.url
+
+
+def test_a_resume_from_another_store_quarantines_nothing(
+    server: Server, run_name: str, tmp_path: Path
+) -> None:
+    ckpt = checkpointer(server, run_name)
+    ckpt.resume()
+    ckpt.counters.step = 2
+    ckpt.save().wait()
+    ckpt.close()
+    elsewhere = checkpointer(server, run_name, store=DirectoryStore(tmp_path / "elsewhere"))
+    with pytest.raises(ControlPlaneError, match="must use the same store"):
+        elsewhere.resume()
+    elsewhere.close()
+    with server.client() as client:
+        assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 2
+
+
+def test_resume_takes_layers_from_any_iterable(server: Server, run_name: str) -> None:
+    ckpt = checkpointer(server, run_name)
+    ckpt.resume()
+    ckpt.counters.step = 2
+    ckpt.save().wait()
+    ckpt.close()
+    other = checkpointer(server, f"{run_name}-b")
+    result = other.resume(from_run=run_name, layers=(x for x in ["weights", "counters"]))
+    assert [str(layer) for layer in result.layers] == ["weights", "counters"]
+    other.close()
+
+
+def test_only_a_whole_resume_makes_the_position_durable(server: Server, run_name: str) -> None:
+    ckpt = checkpointer(server, run_name)
+    ckpt.resume()
+    ckpt.counters.step = 2
+    ckpt.save().wait()
+    ckpt.close()
+    partial = checkpointer(server, run_name)
+    partial.resume(layers=["weights"])  # the counters stay at 0: no bundle is at step 0
+    assert partial._persister.durable_at is None
+    partial.close()
+    whole = checkpointer(server, run_name)
+    whole.resume()
+    assert str(whole._persister.durable_at) == "step 2"
+    whole.close()

@@ -16,7 +16,7 @@ from ckpt.agent.attempt import Attempt
 from ckpt.agent.catalog.base import Upload
 from ckpt.agent.client import ControlPlane, IncompleteCommitError, Registration
 from ckpt.agent.manifests import versions
-from ckpt.agent.ranks import Ranks
+from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
 from ckpt.core.errors import ControlPlaneError
 
@@ -59,7 +59,11 @@ class ControlPlaneCatalog:
 
     def fall_back(self, run: str, manifest: Manifest, *, own: bool, reason: str) -> Manifest | None:
         """Quarantine the bundle; register again so that the new attempt resumes from (and
-        records) the bundle before it."""
+        records) the bundle before it. Refuse instead when the control plane reads another
+        store: the bundle is likely whole there, and only this process cannot see it."""
+        registration = self.attempt.registration
+        if registration is not None and registration.store not in (None, self._store_url):
+            raise self._other_store(f"cannot read {manifest.run} step {manifest.step} ({reason})")
         if manifest.catalog is not None:
             self.control.quarantine(manifest.catalog.bundle_id, reason=reason)
         if own:
@@ -105,13 +109,21 @@ class ControlPlaneCatalog:
         force: set[str] = set()
         for round_ in range(_COMMIT_ROUNDS):
             self._record(bundle_id, attempt, upload(self._held(force)))
+            if not self._ranks.all_ok(True, timeout=MEET_SECONDS):
+                raise ControlPlaneError(f"bundle {bundle_id}: a rank did not record its layers")
             try:
-                return self.control.commit(bundle_id, epoch=attempt.epoch)
+                return self._ranks.from_first(
+                    lambda: self.control.commit(bundle_id, epoch=attempt.epoch),
+                    timeout=MEET_SECONDS,
+                )
             except IncompleteCommitError as err:
+                if force and err.blobs and err.blobs <= force:  # written just now, not seen
+                    raise self._other_store(
+                        f"the control plane does not find {len(err.blobs)} blob(s) this "
+                        "process has just written"
+                    ) from err
                 if not err.blobs or round_ == _COMMIT_ROUNDS - 1:
                     raise
-                if force and err.blobs <= force:  # written just now, and still not seen
-                    raise self._other_store(err.blobs) from err
                 log.warning(
                     "bundle %d: %d blob(s) vanished; uploading them again",
                     bundle_id,
@@ -120,15 +132,18 @@ class ControlPlaneCatalog:
                 force = err.blobs
         raise AssertionError("unreachable: the last round returns or raises")
 
-    def _other_store(self, blobs: set[str]) -> ControlPlaneError:
+    def _other_store(self, problem: str) -> ControlPlaneError:
+        """The agent and the control plane do not see the same store: say so, and how to fix
+        it, rather than that blobs vanished or bundles are corrupt."""
         registration = self.attempt.registration
         server = registration.store if registration is not None else None
+        same_url = server == self._store_url
         return ControlPlaneError(
-            f"the control plane does not find {len(blobs)} blob(s) this process has just "
-            f"written to {self._store_url}; it reads {server or 'another store'}. The agent "
-            "and the control plane must use the same store: give both the same CKPT_STORE "
-            "(a directory such as the default .ckpt/store is relative to each process's "
-            "working directory)"
+            f"{problem}: this process uses the store {self._store_url}, the control plane "
+            f"{server or 'another one'}. The agent and the control plane must use the same "
+            "store: give both the same CKPT_STORE (a directory such as the default "
+            ".ckpt/store is relative to each process's working directory)"
+            + ("; for S3, also the same CKPT_S3_ENDPOINT" if same_url else "")
         )
 
     def _held(self, force: set[str]) -> Callable[[list[BlobRef]], set[str]]:

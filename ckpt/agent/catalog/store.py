@@ -15,12 +15,12 @@ import torch
 
 from ckpt.agent.catalog.base import Upload
 from ckpt.agent.manifests import latest_manifest, write_manifest
-from ckpt.agent.ranks import Ranks
-from ckpt.agent.threads import parallel
+from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.agent.upload import HeldBlobs
 from ckpt.core.contract import BlobRef, Manifest, SaveFigures
 from ckpt.core.errors import BundleExistsError, StoreError
 from ckpt.core.storage import ObjectStore, keys
+from ckpt.core.threads import parallel
 
 
 class StoreCatalog:
@@ -62,12 +62,15 @@ class StoreCatalog:
     def commit(self, upload: Upload, *, step: int) -> Manifest:
         records = upload(store_held(self._store, self._verified))
         self._verified.update(b.sha256 for record in records.values() for b in record.blobs)
-        return write_manifest(
-            self._store,
-            run=self._run,
-            step=step,
-            world_size=self._ranks.world_size,
-            ranks={self._ranks.rank: records},
+        return self._ranks.from_first(
+            lambda: write_manifest(
+                self._store,
+                run=self._run,
+                step=step,
+                world_size=self._ranks.world_size,
+                ranks={self._ranks.rank: records},
+            ),
+            timeout=MEET_SECONDS,
         )
 
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:

@@ -5,12 +5,11 @@ the SHA-256 of those not verified before. A store that cannot be read is a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Iterable, Mapping
 
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import ObjectStore, keys
+from ckpt.core.threads import parallel
 from ckpt.service.completeness import StoredBlob
 from ckpt.service.errors import StoreUnavailableError
 
@@ -20,7 +19,13 @@ _STORE_THREADS = 4
 def stored_sizes(store: ObjectStore, shas: Iterable[str]) -> dict[str, int | None]:
     """The stored size of each blob; None for a blob the store does not hold."""
     order = list(shas)
-    return dict(zip(order, _parallel(lambda sha: _size(store, sha), order), strict=True))
+    return dict(
+        zip(
+            order,
+            parallel(lambda sha: _size(store, sha), order, threads=_STORE_THREADS),
+            strict=True,
+        )
+    )
 
 
 def stored_blobs(
@@ -38,7 +43,7 @@ def stored_blobs(
             raise StoreUnavailableError(f"cannot read blob {sha} from the store: {err}") from err
         return StoredBlob(size=len(data), sha256_ok=hashlib.sha256(data).hexdigest() == sha)
 
-    return dict(zip(sizes, _parallel(check, sizes), strict=True))
+    return dict(zip(sizes, parallel(check, sizes, threads=_STORE_THREADS), strict=True))
 
 
 def _size(store: ObjectStore, sha: str) -> int | None:
@@ -46,12 +51,3 @@ def _size(store: ObjectStore, sha: str) -> int | None:
         return store.size(keys.blob_key(sha))
     except StoreError as err:
         raise StoreUnavailableError(f"the store cannot be read: {err}") from err
-
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def _parallel(action: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    with ThreadPoolExecutor(_STORE_THREADS, thread_name_prefix="ckpt-store") as pool:
-        return list(pool.map(action, items))
