@@ -16,9 +16,9 @@ if TYPE_CHECKING:
     from ckpt.agent.checkpointer import Checkpointer
     from ckpt.agent.config import InFlight
     from ckpt.agent.counters import Counters
-    from ckpt.agent.data import PerSampleRNG, ResumableSampler
     from ckpt.agent.persist import PendingSave, SaveResult
     from ckpt.agent.restore import ResumeResult
+    from ckpt.agent.sampling import PerSampleRNG, ResumableSampler
     from ckpt.core.contract import Layer
     from ckpt.core.errors import (
         BundleExistsError,
@@ -40,8 +40,8 @@ _EXPORTS = {
     "PendingSave": "ckpt.agent.persist",
     "InFlight": "ckpt.agent.config",
     "Counters": "ckpt.agent.counters",
-    "PerSampleRNG": "ckpt.agent.data",
-    "ResumableSampler": "ckpt.agent.data",
+    "PerSampleRNG": "ckpt.agent.sampling",
+    "ResumableSampler": "ckpt.agent.sampling",
     "Layer": "ckpt.core.contract",
     "BundleExistsError": "ckpt.core.errors",
     "BundleFormatError": "ckpt.core.errors",

@@ -42,6 +42,7 @@ from ckpt.agent.staging import StagingArea
 from ckpt.agent.stateful import Stateful
 from ckpt.agent.summary import announce
 from ckpt.core.contract import RESTORE_ORDER, Layer
+from ckpt.core.errors import BundleExistsError
 from ckpt.core.storage import ObjectStore, open_store
 from ckpt.core.tokens import default_token
 
@@ -229,6 +230,9 @@ class Checkpointer:
                 parts of it, as above).
             IncompatibleBundleError: the bundle does not fit these objects. The layers before
                 the one that failed are already restored: rebuild the objects before training.
+            StoreError: the store failed to answer, or a blob read here failed its check while
+                the control plane reads it back intact (a fault on the way): nothing was
+                quarantined; retry the resume.
         """
         self.wait()
         chosen = {Layer(layer) for layer in layers}
@@ -278,7 +282,9 @@ class Checkpointer:
 
         While the previous save is still persisting, a due save waits for it
         (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
-        returned and the next call tries again).
+        returned and the next call tries again). While the control plane is unreachable a
+        due save is always skipped rather than waited for: the save before keeps retrying in
+        the background and commits when the control plane answers again.
 
         After SIGTERM or SIGINT this is where the process ends: it waits for the save in
         flight, saves once more if its last measured save fits in what is left of the grace
@@ -290,10 +296,26 @@ class Checkpointer:
         seconds = time.monotonic() - self._last_save_time
         if not self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds):
             return None
-        if self.config.in_flight is InFlight.SKIP and not self._persister.settle(block=False):
-            log.info("run %s: a save is still in flight; skipping this one", self.config.run)
+        if not self._persister.settle(block=False) and not self._wait_for_in_flight():
             return None
         return self.save()
+
+    def _wait_for_in_flight(self) -> bool:
+        """Wait for the save in flight before a due one, unless configured to skip, or the
+        control plane is (or becomes) unreachable: that save is retrying, and training does
+        not wait on the control plane. Whether the due save may go ahead."""
+        if self.config.in_flight is InFlight.SKIP:
+            log.info("run %s: a save is still in flight; skipping this one", self.config.run)
+            return False
+        if self._persister.wait_unless(self._catalog.unreachable):
+            return True
+        log.warning(
+            "run %s: the control plane is unreachable and the save before is retrying; "
+            "skipping the save due at %s",
+            self.config.run,
+            self._position(),
+        )
+        return False
 
     def save(self) -> PendingSave:
         """Stage a bundle of the current state and persist it in the background.
@@ -301,11 +323,14 @@ class Checkpointer:
         Returns once every tensor is copied into the staging buffers: training may then
         change the state. At most one save is in flight: this first waits for the one
         before it. Call ``wait()`` on the result, or ``Checkpointer.wait()``, for the
-        bundle to be durable.
+        bundle to be durable. A position that is durable already (saved, or resumed from)
+        is not saved again: the result is that bundle, done.
 
         Raises:
             UnrepresentableStateError: a state value has no safe representation (names its key path).
-            BundleExistsError: store-only, the step has a bundle this process did not write.
+            BundleExistsError: this process saved another micro step of this step already
+                (one bundle per step and attempt); or, store-only, the step has a bundle
+                this process did not write.
             StoreError, ControlPlaneError, FencedError: the previous save's persist failed
                 (raised here, once, so that no failed save goes unnoticed).
 
@@ -317,16 +342,32 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self._persister.settle(block=True)
-        step = self.ranks.agree(self.counters.step, what="the step of a save", timeout=MEET_SECONDS)
+        position = self._position()
+        if position == self._persister.durable_at:
+            log.info("run %s: %s is saved already; nothing to save", self.config.run, position)
+            return self._persister.already_durable()
+        step = self.ranks.agree(position.step, what="the step of a save", timeout=MEET_SECONDS)
+        self._check_one_bundle_per_step(position)
         self._catalog.check_step(step)
         states, staged = capture.stage(
             self.objects, self._staging, skip_unchanged=self.config.skip_unchanged
         )
         self._catalog.own_step(step)
-        self._last_saved = position = self._position()
+        self._last_saved = position
         self._last_save_time = time.monotonic()
         stall = time.perf_counter() - started
         return self._persister.submit(states, staged, step=step, stall=stall, position=position)
+
+    def _check_one_bundle_per_step(self, position: Position) -> None:
+        """A run keeps one bundle per step from each attempt: a second save at another micro
+        step of a step saved already is refused, loudly, rather than dropped or replacing it."""
+        saved = self._persister.saved.get(position.step)
+        if saved is not None:
+            raise BundleExistsError(
+                f"run {self.config.run}: this process saved {saved} already; a run keeps one "
+                f"bundle per step from each attempt, so {position} is not saved. Save again at "
+                "a later step"
+            )
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight (if any) is durable.

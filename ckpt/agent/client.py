@@ -9,6 +9,7 @@ raises ``ControlPlaneError`` with the server's message.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,10 @@ class IncompleteCommitError(ControlPlaneError):
         return {blob["sha256"] for blob in self.missing.get("blobs", [])}
 
 
+class IntactBlobError(ControlPlaneError):
+    """Quarantine refused: the control plane reads the blob named damaged back intact."""
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -61,9 +66,16 @@ class ControlPlane:
         self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport)
         self.timeout = timeout  # one try
         self.retry_seconds = retry_seconds  # one call, every try and wait included
+        self._failing_since: float | None = None  # since when calls fail to get an answer
 
     def close(self) -> None:
         self._http.close()
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the last call (from any thread) got no answer: the control plane is down,
+        restarting or unreachable, and calls are being retried."""
+        return self._failing_since is not None
 
     def register(
         self, run: str, *, pod: str | None, node: str | None, resume: bool
@@ -128,8 +140,15 @@ class ControlPlane:
     def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:
         self._call("PUT", f"/v1/bundles/{bundle_id}/saves/{rank}", figures.model_dump(mode="json"))
 
-    def quarantine(self, bundle_id: int, *, reason: str) -> None:
-        self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", {"reason": reason[:2000]})
+    def quarantine(self, bundle_id: int, *, reason: str, epoch: int | None, blob: str) -> None:
+        """Report ``blob`` of the bundle damaged: the control plane reads it back and
+        quarantines every complete bundle using it. ``epoch``: this attempt's (fencing).
+
+        Raises:
+            IntactBlobError: the control plane reads the blob back intact; nothing changed.
+        """
+        body = {"reason": _printable(reason)[:2000] or "failed verification", "blob": blob}
+        self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", body | {"epoch": epoch})
 
     def heartbeat(self, attempt_id: int, *, step: int, patience: float) -> None:
         self._call(
@@ -160,9 +179,10 @@ class ControlPlane:
         *,
         patience: float | None = None,
     ) -> dict[str, Any]:
-        """One request, retried on transport errors and 5xx for at most ``patience`` seconds
-        (default: the client's ``retry_seconds``) in all: every try is cut short at that
-        deadline, so a control plane that is down or hangs costs no more than that."""
+        """One request, retried on transport errors, 5xx and 429 for at most ``patience``
+        seconds (default: the client's ``retry_seconds``) in all: every try is cut short at
+        that deadline, so a control plane that is down or hangs costs no more than that. A
+        429 is retried after the ``Retry-After`` the control plane asks for."""
         window = self.retry_seconds if patience is None else patience
         deadline = time.monotonic() + window
         delay = 0.2
@@ -172,22 +192,36 @@ class ControlPlane:
                 response = self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as err:
                 problem: str = f"cannot reach the control plane at {self.url}: {err}"
-                status = None
+                status, pause = None, delay
             else:
+                if response.status_code not in _RETRY_STATUSES:
+                    self._failing_since = None  # it answered
                 if response.status_code < 400:
                     result: dict[str, Any] = response.json()
                     return result
                 problem, status = _problem(response), response.status_code
-                if status not in _RETRY_STATUSES:
+                if status not in (*_RETRY_STATUSES, 429):
                     raise _error(response, f"{method} {path}: {problem}")
-            if time.monotonic() + delay > deadline:
+                pause = _retry_after(response) if status == 429 else delay
+            if status != 429 and self._failing_since is None:
+                self._failing_since = time.monotonic()
+            if time.monotonic() + pause > deadline:
                 raise ControlPlaneError(
                     f"{method} {path}: {problem} (gave up after {window:g} s of retries)",
                     status=status,
                 )
-            log.warning("%s %s: %s; retrying in %.1f s", method, path, problem, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            log.warning("%s %s: %s; retrying in %.1f s", method, path, problem, pause)
+            time.sleep(pause)
+            if status != 429:
+                delay = min(delay * 2, 5.0)
+
+
+def _retry_after(response: httpx.Response) -> float:
+    """The pause a 429 asks for (``Retry-After`` in seconds; 1 s when it says none)."""
+    try:
+        return min(max(float(response.headers.get("Retry-After", "1")), 0.0), 60.0)
+    except ValueError:
+        return 1.0
 
 
 def _problem(response: httpx.Response) -> str:
@@ -208,4 +242,11 @@ def _error(response: httpx.Response, message: str) -> ControlPlaneError:
         return FencedError(message, status=409)
     if code == "incomplete":
         return IncompleteCommitError(message, missing=body.get("missing", {}))
+    if code == "intact":
+        return IntactBlobError(message, status=409)
     return ControlPlaneError(message, status=response.status_code)
+
+
+def _printable(text: str) -> str:
+    """``text`` without control characters or line breaks (the control plane refuses them)."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]", " ", text)

@@ -9,9 +9,10 @@ or else by the next ``Persister.wait``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -132,6 +133,7 @@ class Persister:
     ) -> None:
         self.in_flight: PendingSave | None = None
         self.durable_at: Position | None = None  # where this process's newest bundle is
+        self.saved: dict[int, Position] = {}  # the bundles this process committed, by step
         self.save_seconds: float | None = None  # stall + persist of the last durable save
         self._run, self._store, self._catalog = run, store, catalog
         self._blob_bytes, self._rank, self._quiet = blob_bytes, rank, quiet
@@ -169,6 +171,18 @@ class Persister:
             if pending.done():  # not when interrupted: its buffers are still in use
                 self.in_flight = None
 
+    def wait_unless(self, stop: Callable[[], bool], *, poll: float = 0.05) -> bool:
+        """Wait for the save in flight like ``wait``, but give up (False) as soon as ``stop()``
+        is true, checked every ``poll`` seconds."""
+        pending = self.in_flight
+        while pending is not None and not pending.done():
+            if stop():
+                return False
+            with contextlib.suppress(TimeoutError):
+                pending.wait(poll)
+        self.wait()
+        return True
+
     def settle(self, *, block: bool) -> bool:
         """Whether a new save may stage now: none in flight, or (``block``) it has ended."""
         pending = self.in_flight
@@ -180,6 +194,25 @@ class Persister:
     def resumed_at(self, position: Position) -> None:
         """The bundle a resume restored is durable at ``position``."""
         self.durable_at = position
+
+    def already_durable(self) -> PendingSave:
+        """A save of the position that is durable already: done, and nothing written."""
+        assert self.durable_at is not None
+        step = self.durable_at.step
+        future: Future[SaveResult] = Future()
+        future.set_result(
+            SaveResult(
+                bundle=bundle_name_at(self._run, step),
+                step=step,
+                payload_bytes=0,
+                new_bytes=0,
+                stall_seconds=0.0,
+                persist_seconds=0.0,
+            )
+        )
+        return PendingSave(
+            bundle=bundle_name_at(self._run, step), step=step, stall_seconds=0.0, future=future
+        )
 
     def close(self) -> None:
         """Release the thread, after the save in flight (if any) ends."""
@@ -195,7 +228,6 @@ class Persister:
         position: Position,
     ) -> SaveResult:
         started = time.perf_counter()
-        kept = self._catalog.has_committed(step)  # then no new bundle is made
         stats = WriteStats()
         hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
         total = sum(t.nbytes for t in staged.tensors.values())
@@ -219,10 +251,10 @@ class Persister:
             copied_bytes=staged.copied_bytes,
             hashed_bytes=stats.payload_bytes - hashes.reused_bytes,
         )
-        if not kept:
-            self.durable_at = position
+        self.durable_at = position
+        self.saved[step] = position
         self.save_seconds = result.stall_seconds + result.persist_seconds
-        self._announce(result, position, kept=kept)
+        self._announce(result, position)
         self._report(manifest.catalog.bundle_id if manifest.catalog else None, result)
         return result
 
@@ -254,15 +286,8 @@ class Persister:
 
         return upload
 
-    def _announce(self, result: SaveResult, position: Position, *, kept: bool) -> None:
+    def _announce(self, result: SaveResult, position: Position) -> None:
         """One line per durable save; the details at debug level."""
-        if kept:
-            announce(
-                f"ckpt: run {self._run}: kept the bundle this attempt committed at step "
-                f"{result.step}; {position} is not saved",
-                quiet=self._quiet,
-            )
-            return
         announce(
             f"ckpt: run {self._run}: saved {position}: {format_bytes(result.payload_bytes)} "
             f"({format_bytes(result.new_bytes)} new), stall {result.stall_seconds:.3f} s, "

@@ -33,5 +33,9 @@ class SavePolicy:
             and position.step % self.every_steps == 0
             and (last is None or position.step > last.step)
         )
-        by_time = self.every_seconds is not None and seconds_since_last >= self.every_seconds
+        by_time = (
+            self.every_seconds is not None
+            and seconds_since_last >= self.every_seconds
+            and (last is None or position.step > last.step)  # one bundle per step
+        )
         return by_steps or by_time

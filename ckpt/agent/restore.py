@@ -79,7 +79,9 @@ class Restorer:
                     err,
                 )
                 failed.append(err)
-                manifest = self._catalog.fall_back(run, manifest, own=own, reason=str(err))
+                manifest = self._catalog.fall_back(
+                    run, manifest, own=own, reason=str(err), blob=err.blob
+                )
         if failed:
             raise _every_bundle_failed(run, failed)
         return None, {}

@@ -1,5 +1,5 @@
-"""``ckpt server``, ``migrate``, ``gc`` and ``catalog rebuild``: running the control plane
-and maintaining its catalog."""
+"""``ckpt server``, ``migrate``, ``gc``, ``scrub`` and ``catalog rebuild``: running the
+control plane and maintaining its catalog."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from ckpt.core.version import __version__
 SERVER = """
     Run the control plane: the REST API through which training jobs register attempts
     and commit bundles, and which answers where a run resumes. It also collects garbage
-    every CKPT_GC_INTERVAL_SECONDS (default 600).
+    every CKPT_GC_INTERVAL_SECONDS (default 600) and re-reads stored blobs (the scrubber)
+    every CKPT_SCRUB_INTERVAL_SECONDS (default 3600).
 
     With nothing configured it is the embedded default: a SQLite catalog in
     ./.ckpt/catalog.db, the directory store ./.ckpt/store, and an admin token it
@@ -50,6 +51,19 @@ GC = f"""
     JSON (failed_bundles, deleted_bundles, deleted_blobs, deleted_bytes, young_blobs).
 """
 
+SCRUB = f"""
+    Scrub once, now: re-read and re-hash the blobs of every run's resumable bundle, then of
+    the other complete bundles, newest first, at CKPT_SCRUB_BYTES_PER_SECOND (0: as fast
+    as the store answers). A blob found absent or damaged is marked so in the catalog and
+    every complete bundle using it is quarantined: the run resumes from the newest bundle
+    that is still whole, and its next save writes the blob again. A store that fails to
+    answer ends the pass and quarantines nothing. {CATALOG}
+
+    A running server does the same every CKPT_SCRUB_INTERVAL_SECONDS; one pass runs at a
+    time across replicas. Prints the report as JSON (bundles, blobs, bytes, damaged,
+    quarantined); exits 1 if the store failed.
+"""
+
 CATALOG_GROUP = "Maintain the catalog of runs and bundles. " + CATALOG
 
 REBUILD = f"""
@@ -63,7 +77,7 @@ REBUILD = f"""
 
 
 def add_commands(commands: Commands) -> None:
-    """``server``, ``migrate`` and ``gc``."""
+    """``server``, ``migrate``, ``gc`` and ``scrub``."""
     server = add_command(
         commands,
         "server",
@@ -92,6 +106,14 @@ def add_commands(commands: Commands) -> None:
     gc.add_argument("--dry-run", action="store_true", help="report what would go; change nothing")
     gc.set_defaults(handler=_gc)
 
+    scrub = add_command(
+        commands,
+        "scrub",
+        summary="re-read stored blobs now; quarantine bundles with a damaged one",
+        description=SCRUB,
+    )
+    scrub.set_defaults(handler=_scrub)
+
 
 def add_catalog_commands(commands: Commands) -> None:
     """``catalog rebuild``."""
@@ -113,11 +135,13 @@ def _server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ckpt.service.app import create_app
+    from ckpt.service.health import steady_collector
 
     current = settings(host=args.host, port=args.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     app = create_app(current)
+    steady_collector()  # after the app is built: see its docstring
     print(f"ckpt control plane {__version__} on http://{current.host}:{current.port}", flush=True)
     print(f"  catalog: {redact(current.database_url)}", flush=True)
     print(f"  store:   {app.state.context.store.url}", flush=True)
@@ -142,6 +166,24 @@ def _gc(args: argparse.Namespace) -> int:
     context = open_context()
     try:
         report = collect(context, dry_run=args.dry_run)
+    finally:
+        context.close()
+    print(report.model_dump_json(indent=2))
+    return 0
+
+
+def _scrub(_: argparse.Namespace) -> int:
+    import sys
+
+    from ckpt.service.errors import StoreUnavailableError
+    from ckpt.service.scrub.service import scrub
+
+    context = open_context()
+    try:
+        report = scrub(context)
+    except StoreUnavailableError as err:
+        print(f"ckpt scrub: {err.message}", file=sys.stderr)
+        return 1
     finally:
         context.close()
     print(report.model_dump_json(indent=2))

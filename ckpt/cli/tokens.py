@@ -33,13 +33,15 @@ CREATE = f"""
     Create a bearer token and print its secret on standard output, once: the catalog
     keeps only its SHA-256. An 'admin' token does everything, a 'read' token reads every
     run, a 'run' token reads and writes the one run named by --run (give it to a training
-    job as CKPT_TOKEN). {CATALOG}
+    job as CKPT_TOKEN). With --expires-in (30d, 12h, 90m, 3600s) the control plane refuses
+    it from then on (401, saying it expired). {CATALOG}
 """
 
 LIST = f"""
-    List the tokens: id, name, role, run, and when each was created and revoked (UTC).
-    Never prints a secret: the catalog holds none. --json prints a JSON list of
-    {{id, name, role, run, created_at, revoked_at}}. {CATALOG}
+    List the tokens: id, name, role, run, and when each was created, expires and was
+    revoked (UTC; an expired token is marked so). Never prints a secret: the catalog holds
+    none. --json prints a JSON list of {{id, name, role, run, created_at, revoked_at,
+    expires_at}}. {CATALOG}
 """
 
 REVOKE = f"""
@@ -61,6 +63,12 @@ def add_commands(commands: Commands) -> None:
     create.add_argument("--role", required=True, choices=["admin", "run", "read"])
     create.add_argument("--run", help="the run a 'run' token may read and write")
     create.add_argument("--name", default="cli", help="a label shown in listings")
+    create.add_argument(
+        "--expires-in",
+        type=duration,
+        metavar="DURATION",
+        help="refuse the token after this long: 30d, 12h, 90m or 3600s (default: never)",
+    )
     create.set_defaults(handler=_create)
 
     listing = add_command(
@@ -85,22 +93,44 @@ def token_id(text: str) -> int:
     return int(text)
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> int:
+    """Seconds from ``30d``, ``12h``, ``90m``, ``3600s`` or ``3600``."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    if not (number.isascii() and number.isdigit()) or int(number) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: write a whole number and a unit, e.g. 30d, 12h, "
+            "90m or 3600s"
+        )
+    return int(number) * _UNITS[unit]
+
+
 def _create(args: argparse.Namespace) -> int:
     from ckpt.service.auth.service import create_token
 
-    request = token_request(role=args.role, run=args.run, name=args.name)
+    request = token_request(
+        role=args.role, run=args.run, name=args.name, expires_in=args.expires_in
+    )
     context = open_context()
     try:
         created = create_token(context, request)
     finally:
         context.close()
     scope = f" for run {created.run}" if created.run else ""
-    print(f"created {created.role} token {created.id} ({created.name}){scope}:", file=sys.stderr)
+    until = f", valid until {_when(created.expires_at)} UTC" if created.expires_at else ""
+    print(
+        f"created {created.role} token {created.id} ({created.name}){scope}{until}:",
+        file=sys.stderr,
+    )
     print(created.token)
     return 0
 
 
-def token_request(*, role: str, run: str | None, name: str) -> TokenCreate:
+def token_request(
+    *, role: str, run: str | None, name: str, expires_in: int | None = None
+) -> TokenCreate:
     """The request ``ckpt token create`` makes; a mistake exits 2 naming the option to fix."""
     from pydantic import ValidationError
 
@@ -112,7 +142,9 @@ def token_request(*, role: str, run: str | None, name: str) -> TokenCreate:
     if role != "run" and run is not None:
         usage_error(command, f"--run is only for a 'run' token; a '{role}' token covers every run")
     try:
-        return TokenCreate.model_validate({"role": role, "run": run, "name": name})
+        return TokenCreate.model_validate(
+            {"role": role, "run": run, "name": name, "expires_in_seconds": expires_in}
+        )
     except ValidationError as err:
         usage_error(command, option_problem(err))
 
@@ -125,7 +157,8 @@ def option_problem(err: ValidationError) -> str:
     if first["type"] == "string_pattern_mismatch":
         message = "use printable characters only (no tabs, newlines or other control characters)"
     names = [str(part) for part in first["loc"]]
-    return f"--{names[0]}: {message}" if names else message
+    option = {"expires_in_seconds": "expires-in"}.get(names[0], names[0]) if names else None
+    return f"--{option}: {message}" if option else message
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -149,7 +182,8 @@ def format_tokens(tokens: Sequence[TokenOut]) -> str:
     """The tokens as a table, oldest first; no secrets (a ``TokenOut`` holds none)."""
     if not tokens:
         return "no tokens (create one with 'ckpt token create')"
-    rows: list[tuple[str, ...]] = [("ID", "NAME", "ROLE", "RUN", "CREATED", "REVOKED")]
+    now = datetime.now(UTC)
+    rows: list[tuple[str, ...]] = [("ID", "NAME", "ROLE", "RUN", "CREATED", "EXPIRES", "REVOKED")]
     rows += [
         (
             str(token.id),
@@ -157,11 +191,19 @@ def format_tokens(tokens: Sequence[TokenOut]) -> str:
             str(token.role),
             token.run or "-",
             _when(token.created_at),
+            _expiry(token.expires_at, now=now),
             _when(token.revoked_at),
         )
         for token in tokens
     ]
     return table(rows)
+
+
+def _expiry(moment: datetime | None, *, now: datetime) -> str:
+    """When a token expires: ``never``, a time, or a time marked ``(expired)``."""
+    if moment is None:
+        return "never"
+    return _when(moment) + (" (expired)" if moment <= now else "")
 
 
 def _when(moment: datetime | None) -> str:

@@ -61,13 +61,16 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def format_report(report: Verified) -> str:
-    """One line per bad blob, then ``<bundle>: N blobs, B bytes, intact | K bad blob(s)``."""
+    """A line per missing part and per bad blob, then ``<bundle>: N blobs, B bytes, <verdict>``."""
     from ckpt.core.storage.keys import blob_key
 
-    lines = [
+    lines = [f"MISSING  {part}" for part in report.missing]
+    lines += [
         f"BAD  {blob_key(sha256)}: {problem}" for sha256, problem in sorted(report.bad.items())
     ]
-    verdict = "intact" if report.intact else f"{len(report.bad)} bad blob(s)"
+    problems = [f"{len(report.missing)} part(s) missing"] if report.missing else []
+    problems += [f"{len(report.bad)} bad blob(s)"] if report.bad else []
+    verdict = ", ".join(problems) or "intact"
     lines.append(f"{report.bundle}: {report.blobs} blobs, {report.bytes} bytes, {verdict}")
     return "\n".join(lines)
 
@@ -83,6 +86,7 @@ def format_json(report: Verified) -> str:
         "blobs": report.blobs,
         "bytes": report.bytes,
         "bad": dict(sorted(report.bad.items())),
+        "missing": report.missing,
         "intact": report.intact,
     }
     return json.dumps(document, indent=2)

@@ -13,11 +13,36 @@ from __future__ import annotations
 import enum
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_FORMAT = "ckpt.bundle/1"
 MAX_BYTES = 2**62  # sizes and offsets: far beyond any payload, inside a signed 64-bit column
+# A trillion steps: beyond any training run, and a bound that keeps counters derived from
+# steps (steps lost) meaningful.
+MAX_STEP = 2**40
 SHA256_HEX = r"^[0-9a-f]{64}$"
+# No control characters: no NUL (Postgres text cannot hold it), no line breaks or escape
+# sequences (the text reaches logs and terminals). C0, DEL, C1 and the Unicode line breaks.
+PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]*$"
+# The safetensors dtype codes a payload may hold (the agent's ``format/dtypes.py`` maps torch
+# dtypes onto these; a test keeps the two in step).
+DTYPE_CODES = (
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U64",
+    "U32",
+    "U16",
+    "U8",
+    "BOOL",
+)
 
 
 class Layer(enum.StrEnum):
@@ -45,12 +70,33 @@ class BlobRef(_Frozen):
     size: Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
+def _known_dtype(code: str) -> str:
+    if code not in DTYPE_CODES:
+        raise ValueError(f"unknown dtype {code!r}: use one of {', '.join(DTYPE_CODES)}")
+    return code
+
+
+Dtype = Annotated[
+    str,
+    Field(max_length=16, json_schema_extra={"enum": list(DTYPE_CODES)}),
+    AfterValidator(_known_dtype),
+]
+Extent = Annotated[int, Field(ge=0, le=MAX_BYTES)]  # a dimension, or a byte offset
+
+
 class TensorEntry(_Frozen):
     """Where one tensor lies in its payload's data section (safetensors conventions)."""
 
-    dtype: str
-    shape: tuple[int, ...]
-    data_offsets: tuple[int, int]
+    dtype: Dtype
+    shape: Annotated[tuple[Extent, ...], Field(max_length=64)]  # torch allows 64 dimensions
+    data_offsets: tuple[Extent, Extent]
+
+    @model_validator(mode="after")
+    def _begin_before_end(self) -> TensorEntry:
+        begin, end = self.data_offsets
+        if begin > end:
+            raise ValueError(f"data_offsets {list(self.data_offsets)} begin after they end")
+        return self
 
 
 class LayerRecord(_Frozen):
@@ -89,10 +135,15 @@ class RankRecord(_Frozen):
     layers: dict[Layer, LayerRecord]
 
 
+VersionText = Annotated[str, Field(max_length=128, pattern=PRINTABLE)]
+
+
 class Versions(_Frozen):
-    ckpt: str
-    python: str
-    torch: str
+    """The versions that wrote a bundle: short printable strings ("2.13.0+cu124")."""
+
+    ckpt: VersionText
+    python: VersionText
+    torch: VersionText
 
 
 class CatalogRef(_Frozen):
@@ -108,7 +159,7 @@ class Manifest(_Frozen):
 
     format: str = MANIFEST_FORMAT
     run: str
-    step: Annotated[int, Field(ge=0)]
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)]
     world_size: Annotated[int, Field(ge=1)]
     created_at: str
     versions: Versions

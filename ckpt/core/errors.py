@@ -5,7 +5,8 @@
     ├── BundleFormatError          restore: a payload or manifest is malformed or uses an unknown tag
     ├── CorruptBundleError         restore: a blob is missing, has the wrong size or the wrong SHA-256
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
-    ├── BundleExistsError          save: the run has another bundle at this step; refusing to replace it
+    ├── BundleExistsError          save: the run has another bundle at this step; refusing a second one
+    ├── RankError                  the ranks of a job could not meet, or disagree (a step, a result)
     ├── StoreError                 the object store failed to read or write a key
     │   └── BadObjectError         the store answered: no such key, or an object too large
     └── ControlPlaneError          the control plane refused a request or is unreachable
@@ -43,7 +44,14 @@ class IncompatibleBundleError(CkptError):
 
 
 class BundleExistsError(CkptError):
-    """Saving would replace a bundle of the run that this process did not resume from or write."""
+    """The run has a bundle at this step already: one this process did not resume from or
+    write (saving would replace it), or one it saved at another micro step (one bundle per
+    step and attempt)."""
+
+
+class RankError(CkptError):
+    """The ranks of a job could not meet in time (a rank died or hangs), or disagree on what
+    they must agree on (the step of a save)."""
 
 
 class StoreError(CkptError):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
-from ckpt.core.contract import BlobRef, Manifest
+from ckpt.core.contract import BlobRef, Manifest, missing_parts
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
@@ -22,7 +22,8 @@ _THREADS = 8
 
 @dataclass
 class Verified:
-    """What ``verify`` found: ``bad`` maps each failing blob to what is wrong with it."""
+    """What ``verify`` found: ``bad`` maps each failing blob to what is wrong with it;
+    ``missing`` names the (rank, layer) parts the manifest lacks (``rank 0 counters``)."""
 
     bundle: str  # the manifest's key
     run: str
@@ -30,24 +31,23 @@ class Verified:
     blobs: int = 0
     bytes: int = 0
     bad: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
 
     @property
     def intact(self) -> bool:
-        return not self.bad
+        """Whether a resume could restore the bundle: every part there, every blob whole."""
+        return not self.bad and not self.missing
 
 
 def find_manifest(store: ObjectStore, run: str, *, step: int | None) -> Manifest:
-    """The manifest of ``run`` at ``step``, or its newest one.
+    """The manifest of ``run`` at ``step``; without a step, the newest one a resume would
+    take (valid, with every layer of every rank), as resume picks it.
 
     Raises:
         LookupError: the run has no such bundle, or its manifest does not parse.
     """
     if step is None:
-        steps = [keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(run))]
-        found = [s for s in steps if s is not None]
-        if not found:
-            raise LookupError(f"run {run} has no bundle in {store.url}")
-        step = max(found)
+        return _newest_complete(store, run)
     key = keys.manifest_key(run, step)
     try:
         return Manifest.model_validate_json(store.get(key))
@@ -57,10 +57,29 @@ def find_manifest(store: ObjectStore, run: str, *, step: int | None) -> Manifest
         raise LookupError(f"{key} is not a valid manifest: {err}") from err
 
 
+def _newest_complete(store: ObjectStore, run: str) -> Manifest:
+    steps = [keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(run))]
+    found = sorted((s for s in steps if s is not None), reverse=True)
+    if not found:
+        raise LookupError(f"run {run} has no bundle in {store.url}")
+    for step in found:
+        try:
+            manifest = find_manifest(store, run, step=step)
+        except LookupError:
+            continue
+        if not missing_parts(manifest):
+            return manifest
+    raise LookupError(
+        f"run {run} has no complete bundle in {store.url} (the newest, at step {found[0]}, "
+        f"lacks parts or does not parse): a resume would start it from scratch"
+    )
+
+
 def verify(
     store: ObjectStore, manifest: Manifest, *, progress: Callable[[int], None] = lambda n: None
 ) -> Verified:
-    """Read every distinct blob of the manifest and check its size and SHA-256."""
+    """Check that the manifest names every (rank, layer), then read every distinct blob and
+    check its size and SHA-256."""
     blobs = {
         blob.sha256: blob
         for rank in manifest.ranks
@@ -68,7 +87,10 @@ def verify(
         for blob in record.blobs
     }
     report = Verified(
-        bundle=keys.manifest_key(manifest.run, manifest.step), run=manifest.run, step=manifest.step
+        bundle=keys.manifest_key(manifest.run, manifest.step),
+        run=manifest.run,
+        step=manifest.step,
+        missing=[f"rank {rank} {layer}" for rank, layer in missing_parts(manifest)],
     )
 
     def check(blob: BlobRef) -> None:

@@ -1,11 +1,14 @@
 """The FastAPI application: routers, the error handlers (one JSON body for every error), body
-limits, metrics, and the periodic tasks: garbage collection and marking lost attempts."""
+limits, metrics, and the periodic tasks: garbage collection, the scrubber and marking lost
+attempts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,11 +27,16 @@ from ckpt.service.bundles.endpoints import router as bundles_router
 from ckpt.service.context import Context
 from ckpt.service.db import upgrade
 from ckpt.service.errors import InvalidRequestError, PayloadTooLargeError, ServiceError
+from ckpt.service.events.endpoints import router as events_router
 from ckpt.service.gc import service as gc
 from ckpt.service.gc.endpoints import router as gc_router
 from ckpt.service.health import router as health_router
+from ckpt.service.limits import Limits, token_limits
+from ckpt.service.logsafe import protect
 from ckpt.service.runs import attempts
 from ckpt.service.runs.endpoints import router as runs_router
+from ckpt.service.scrub import service as scrub
+from ckpt.service.scrub.endpoints import router as scrub_router
 from ckpt.service.settings import Settings, embedded_admin_token
 
 log = logging.getLogger("ckpt.service")
@@ -40,6 +48,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     if settings.migrate_at_start:
         upgrade(settings.database_url)
     context = context or Context.create(settings)
+    protect()  # no client text forges a log line
     admin_token = embedded_admin_token(settings) if settings.embedded else settings.admin_token
 
     app = FastAPI(
@@ -50,11 +59,21 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     )
     app.state.context = context
     app.state.admin_token = admin_token
-    for router in (health_router, runs_router, bundles_router, tokens_router, gc_router):
+    for router in (
+        health_router,
+        runs_router,
+        bundles_router,
+        events_router,
+        tokens_router,
+        gc_router,
+        scrub_router,
+    ):
         app.include_router(router)
     _handle_errors(app)
     _count_requests(app, context)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    # Outermost: a request over its token's limits is refused before its body is read.
+    app.add_middleware(Limits, limits=token_limits(settings))
     return app
 
 
@@ -66,11 +85,15 @@ def _lifespan(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
+        halt = threading.Event()  # ends a long pass (the scrubber's) in its worker thread
         periodic: list[tuple[str, Callable[[Context], object], float]] = [
             ("marking lost attempts", attempts.mark_lost, settings.lost_check_seconds)
         ]
         if settings.gc_interval_seconds > 0:
             periodic.append(("garbage collection", gc.collect, settings.gc_interval_seconds))
+        if settings.scrub_interval_seconds > 0:
+            work = functools.partial(scrub.scrub, halt=halt)
+            periodic.append(("scrubbing", work, settings.scrub_interval_seconds))
         tasks = [
             asyncio.create_task(_periodically(what, work, context, interval=every, stop=stop))
             for what, work, every in periodic
@@ -81,6 +104,7 @@ def _lifespan(
             # Let a pass in flight finish: its thread would outlive a cancelled task and
             # keep using the database after the app is gone.
             stop.set()
+            halt.set()
             await asyncio.gather(*tasks)
 
     return lifespan

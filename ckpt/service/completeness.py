@@ -15,15 +15,25 @@ class BlobProblem(enum.StrEnum):
     ABSENT = "absent"
     WRONG_SIZE = "wrong_size"
     WRONG_HASH = "wrong_hash"
+    # Run isolation: no bundle of the committing run (or its dedup group) used the blob
+    # before, and the run has not written it since the bundle was opened. Whether the store
+    # holds it at all is not said: that would tell one run about another's data.
+    NOT_WRITTEN = "not_written"
+
+
+# What a blob's damage (``blob.damage``) may be: facts about the store's copy alone.
+DAMAGE = (BlobProblem.ABSENT, BlobProblem.WRONG_SIZE, BlobProblem.WRONG_HASH)
 
 
 @dataclass(frozen=True)
 class StoredBlob:
-    """What the store holds under a blob's key: its size (None: absent) and whether its
-    SHA-256 matched (None: not read, because the catalog verified it before)."""
+    """What the store holds under a blob's key: its size (None: absent), whether its
+    SHA-256 matched (None: not read, because the catalog verified it before), and whether
+    the committing run wrote it (None: not asked, the run's bundles used it before)."""
 
     size: int | None
     sha256_ok: bool | None = None
+    written: bool | None = None
 
 
 class Part(BaseModel):
@@ -59,7 +69,8 @@ def missing(
     """What ``recorded`` layers and ``stored`` blobs lack for a complete bundle.
 
     Every rank below ``world_size`` needs all six layers; every blob a recorded layer
-    references must be in ``stored`` with the recorded size and a matching SHA-256.
+    references must be in ``stored`` with the recorded size and a matching SHA-256 (and,
+    where ``stored`` says whether, written by the committing run).
     """
     layers = missing_layers(world_size=world_size, recorded=recorded.keys())
     ranks = [
@@ -69,7 +80,7 @@ def missing(
     ]
     blobs = []
     for sha256, (size, parts) in sorted(_usage(recorded).items()):
-        problem = _problem(size, stored.get(sha256, StoredBlob(size=None)))
+        problem = blob_problem(size, stored.get(sha256, StoredBlob(size=None)))
         if problem is not None:
             found = stored.get(sha256)
             blobs.append(
@@ -82,6 +93,20 @@ def missing(
                 )
             )
     return Missing(ranks=ranks, layers=layers, blobs=blobs)
+
+
+def summary(missing: Missing) -> str:
+    """What ``missing`` lists, in a few words: "2 blob(s) absent, ..."."""
+    parts = []
+    if missing.ranks:
+        parts.append(f"ranks {missing.ranks} recorded nothing")
+    if missing.layers:
+        parts.append(f"{len(missing.layers)} (rank, layer) parts unrecorded")
+    for problem in BlobProblem:
+        count = sum(1 for blob in missing.blobs if blob.problem is problem)
+        if count:
+            parts.append(f"{count} blob(s) {problem.value.replace('_', ' ')}")
+    return ", ".join(parts)
 
 
 def missing_layers(*, world_size: int, recorded: Collection[tuple[int, Layer]]) -> list[Part]:
@@ -109,7 +134,10 @@ def _usage(recorded: Mapping[tuple[int, Layer], LayerRecord]) -> dict[str, tuple
     return usage
 
 
-def _problem(size: int, found: StoredBlob) -> BlobProblem | None:
+def blob_problem(size: int, found: StoredBlob) -> BlobProblem | None:
+    """What is wrong with the store's copy of a blob of ``size`` bytes; None: nothing."""
+    if found.written is False:
+        return BlobProblem.NOT_WRITTEN
     if found.size is None:
         return BlobProblem.ABSENT
     if found.size != size:

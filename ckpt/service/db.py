@@ -20,10 +20,16 @@ def make_engine(url: str) -> Engine:
         if parsed.drivername == "postgresql":
             parsed = parsed.set(drivername="postgresql+psycopg")
         # More connections than FastAPI's 40 worker threads: a request never waits on the pool.
-        return create_engine(parsed, pool_pre_ping=True, pool_size=20, max_overflow=30)
+        return create_engine(
+            parsed, pool_pre_ping=True, pool_size=20, max_overflow=30, hide_parameters=True
+        )
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 60})
+    engine = create_engine(
+        parsed,
+        connect_args={"check_same_thread": False, "timeout": 60},
+        hide_parameters=True,  # errors may be logged: never with client text in them
+    )
 
     @event.listens_for(engine, "connect")
     def _on_connect(connection: Any, _record: Any) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from fastapi import Depends, Header, Path, Request
+from pydantic import BeforeValidator
 
 from ckpt.service.auth.service import Principal, authenticate
 from ckpt.service.context import Context
 from ckpt.service.names import MAX_ID, RUN_NAME_PATTERN
+from ckpt.service.settings import admin_tokens
+
+MAX_RANK = 16383  # world sizes go up to 16384
 
 
 def get_context(request: Request) -> Context:
@@ -25,12 +30,26 @@ def get_principal(
     authorization: Annotated[str | None, Header()] = None,
 ) -> Principal:
     return authenticate(
-        context, authorization=authorization, admin_token=request.app.state.admin_token
+        context,
+        authorization=authorization,
+        admin_tokens=admin_tokens(request.app.state.admin_token),
     )
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-IdPath = Annotated[int, Path(ge=1, le=MAX_ID, description="a catalog id")]
+def _digits(text: object) -> object:
+    """A path number as plain decimal digits: ``1.0``, `` 1``, ``+1``, ``01`` and ``1_0``
+    would all be read as 1 (or 10) by a lax integer parser, and name one row many ways. (A
+    minus sign passes, for the range check to refuse with its own message.)"""
+    if isinstance(text, str) and not re.fullmatch(r"-?(0|[1-9][0-9]*)", text):
+        raise ValueError(f"{text!r} is not a number: write it in decimal digits only")
+    return text
+
+
+IdPath = Annotated[int, BeforeValidator(_digits), Path(ge=1, le=MAX_ID, description="a catalog id")]
+RankPath = Annotated[
+    int, BeforeValidator(_digits), Path(ge=0, le=MAX_RANK, description="a rank of the bundle")
+]
 RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]

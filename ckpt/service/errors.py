@@ -7,8 +7,11 @@
     ├── NotFoundError             404  no such run, attempt, bundle or token
     ├── ConflictError             409  the request disagrees with the catalog's state
     │   ├── FencedError           409  a newer attempt of the run registered; this one must stop
-    │   └── IncompleteError       409  commit: parts of the bundle are missing (listed in the body)
-    ├── PayloadTooLargeError      413  the body exceeds CKPT_MAX_BODY_BYTES
+    │   ├── IncompleteError       409  commit: parts of the bundle are missing (listed in the body)
+    │   └── IntactError           409  quarantine: the blob named as damaged reads back intact
+    ├── PayloadTooLargeError      413  the body exceeds CKPT_MAX_BODY_BYTES (or the route's own cap)
+    ├── RateLimitedError          429  the token sent too many requests: retry after Retry-After
+    │   └── TooManyInFlightError  429  the token has too many expensive requests in flight
     └── StoreUnavailableError     503  the object store could not be read or written
 
 Services raise these, never ``HTTPException``; the body is always
@@ -66,9 +69,32 @@ class IncompleteError(ConflictError):
     code = "incomplete"
 
 
+class IntactError(ConflictError):
+    code = "intact"
+
+
 class PayloadTooLargeError(ServiceError):
     status = 413
     code = "payload_too_large"
+
+
+class RateLimitedError(ServiceError):
+    """Refused before any work; ``retry_after`` (seconds) goes out as ``Retry-After``, after
+    a ``pause`` (seconds) that slows a client down that does not wait by itself."""
+
+    status = 429
+    code = "rate_limited"
+
+    def __init__(
+        self, message: str, *, retry_after: int, pause: float = 0.0, **details: Any
+    ) -> None:
+        super().__init__(message, retry_after=retry_after, **details)
+        self.retry_after = retry_after
+        self.pause = pause
+
+
+class TooManyInFlightError(RateLimitedError):
+    code = "too_many_in_flight"
 
 
 class StoreUnavailableError(ServiceError):

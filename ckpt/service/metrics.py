@@ -68,6 +68,22 @@ class Metrics:
         self.gc_deleted_bundles = Counter(
             "ckpt_gc_deleted_bundles", "bundles retention deleted", registry=self.registry
         )
+        self.scrub_passes = Counter(
+            "ckpt_scrub_passes",
+            "passes of the scrubber that ran to the end",
+            registry=self.registry,
+        )
+        self.scrub_blobs = Counter(
+            "ckpt_scrub_blobs", "blobs the scrubber read back", registry=self.registry
+        )
+        self.scrub_bytes = Counter(
+            "ckpt_scrub_bytes", "bytes the scrubber read back", registry=self.registry
+        )
+        self.scrub_damaged = Counter(
+            "ckpt_scrub_damaged",
+            "blobs the scrubber found absent or damaged (their bundles were quarantined)",
+            registry=self.registry,
+        )
         self.save_stall = Histogram(
             "ckpt_save_stall_seconds",
             "seconds training waited for a rank's save, as the rank reported it",

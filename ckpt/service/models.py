@@ -4,8 +4,10 @@ that the migrations and these models agree.
     run ──< attempt ──< bundle ──< layer ──< layer_blob >── blob
      │                    │ parent_id (lineage), run.head_bundle_id (the live branch's head)
      └──< rollback        ├ attempt.resumed_from_id (resume edges)
-                          └──< save (what each rank's save of it cost)
+                          ├──< save (what each rank's save of it cost)
+                          └──< bundle_event (the audit log: who changed its state, and why)
     token (hashed bearer tokens)
+    maintenance_pass (each pass of garbage collection or the scrubber, by replica)
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class Run(Base):
     )
     keep_last: Mapped[int | None]
     keep_every: Mapped[int | None]
+    # Runs of one group may share blobs they wrote (dedup); None: the run alone. Set by an admin.
+    dedup_group: Mapped[str | None] = mapped_column(String(128))
 
 
 class Attempt(Base):
@@ -219,6 +223,10 @@ class Blob(Base):
     created_at: Mapped[datetime]
     claimed_at: Mapped[datetime]  # last recorded or reported present: GC's grace starts here
     verified_at: Mapped[datetime | None]  # the service read it back and its SHA-256 matched
+    # Found missing or damaged (by the scrubber, a restore, a commit) and not written intact
+    # since: never counted as held, and every complete bundle that uses it is quarantined.
+    damaged_at: Mapped[datetime | None]
+    damage: Mapped[str | None] = mapped_column(String(16))  # a completeness.BlobProblem
 
 
 class Rollback(Base):
@@ -243,3 +251,34 @@ class Token(Base):
     run_name: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]  # None: never
+
+
+class BundleEvent(Base):
+    """One change of a bundle's state: the audit log (who, what, when, why)."""
+
+    __tablename__ = "bundle_event"
+    __table_args__ = (Index(None, "bundle_id", "id"), Index(None, "run_id", "id"))
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    bundle_id: Mapped[int] = mapped_column(ForeignKey("bundle.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
+    at: Mapped[datetime]
+    actor: Mapped[str] = mapped_column(String(200))  # "token 3 (trainer)", "scrubber"...
+    action: Mapped[str] = mapped_column(String(16))  # opened, committed, quarantined...
+    status: Mapped[str] = mapped_column(String(16))  # the bundle's status after it
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class MaintenancePass(Base):
+    """One pass of a maintenance task (gc, scrub) by one replica: they never overlap."""
+
+    __tablename__ = "maintenance_pass"
+    __table_args__ = (Index(None, "task", "started_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    task: Mapped[str] = mapped_column(String(16))
+    holder: Mapped[str] = mapped_column(String(200))  # the replica: host and pid
+    started_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+    outcome: Mapped[str | None] = mapped_column(Text)  # a summary, or the error

@@ -1,4 +1,4 @@
-"""Names that reach object keys and URLs, validated once: run names."""
+"""Names, texts and numbers that reach object keys, URLs, logs and columns, validated once."""
 
 from __future__ import annotations
 
@@ -6,17 +6,21 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
+from ckpt.core.contract import MAX_STEP, PRINTABLE
 from ckpt.core.storage.keys import check_run_name
 
-# No control characters (Postgres text cannot hold NUL; logs should not hold the others).
-PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+__all__ = ["MAX_STEP", "PRINTABLE"]
+
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 RunName = Annotated[str, Field(max_length=128), AfterValidator(check_run_name)]
+# A label a client gives (a token's name) and a reason it states (why a bundle was
+# quarantined): printable text of bounded length, safe to log and to show.
+Label = Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE)]
+Reason = Annotated[str, Field(min_length=1, max_length=2000, pattern=PRINTABLE)]
 
-# Catalog ids are 32-bit integers; steps and byte counts signed 64-bit.
+# Catalog ids are 32-bit integers; byte counts signed 64-bit; steps at most MAX_STEP (2**40).
 MAX_ID = 2**31 - 1
-MAX_STEP = 2**62
 # strict: "30" is not a step, nor true a world size
 Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
 Step = Annotated[int, Field(ge=0, le=MAX_STEP, strict=True)]

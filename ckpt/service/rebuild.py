@@ -2,8 +2,9 @@
 
 A manifest is a bundle's commit record, so the store alone says which bundles exist. For
 each manifest whose run has no bundle at that step, a bundle is added: complete if the store
-holds every blob it lists with the right size (hashes are checked on restore), failed
-otherwise. Parent edges come from the manifest's catalog reference when it has one, else
+holds every blob it lists with the right size (hashes are checked on restore) and the
+catalog knows none of them damaged, failed otherwise; each gets an audit event (actor
+``rebuild``). Parent edges come from the manifest's catalog reference when it has one, else
 from the previous step; the head moves to the newest complete bundle. Each rebuilt manifest
 is rewritten with its new catalog id. Attempts are not in the store and are not recreated.
 Running it twice adds nothing the second time.
@@ -24,6 +25,8 @@ from ckpt.core.storage import keys
 from ckpt.service.bundles import repository
 from ckpt.service.context import Context
 from ckpt.service.errors import StoreUnavailableError
+from ckpt.service.events import service as events
+from ckpt.service.events.schemas import Action, System
 from ckpt.service.models import Bundle, BundleStatus, Run, utcnow
 from ckpt.service.runs import repository as runs_repository
 
@@ -77,7 +80,7 @@ def _rebuild_run(
                 report.skipped += 1
                 previous = present[manifest.step].id
                 continue
-            complete = _blobs_present(context, manifest)
+            complete = _blobs_present(context, manifest) and not _damaged(session, manifest)
             ref = manifest.catalog
             parent = new_ids.get(ref.parent_id, previous) if ref and ref.parent_id else previous
             bundle = _add_bundle(session, run, manifest, parent=parent, complete=complete)
@@ -107,11 +110,13 @@ def _add_bundle(
         step=manifest.step,
         world_size=manifest.world_size,
         status=BundleStatus.COMPLETE if complete else BundleStatus.FAILED,
-        reason=None if complete else "rebuilt: blobs missing from the store",
+        reason=None if complete else "rebuilt: blobs missing from the store, or damaged",
         committed_at=_parse(manifest.created_at),
         versions=manifest.versions.model_dump(mode="json"),
         manifest=manifest.model_dump(mode="json"),
     )
+    action = Action.COMMITTED if complete else Action.FAILED
+    events.record(session, bundle, actor=System.REBUILD, action=action, reason=bundle.reason)
     for record in manifest.ranks:
         for layer, layer_record in record.layers.items():
             repository.claim_blobs(session, sizes={b.sha256: b.size for b in layer_record.blobs})
@@ -148,6 +153,13 @@ def _blobs_present(context: Context, manifest: Manifest) -> bool:
         b.sha256: b.size for r in manifest.ranks for rec in r.layers.values() for b in rec.blobs
     }
     return all(context.store.size(keys.blob_key(sha)) == size for sha, size in blobs.items())
+
+
+def _damaged(session: Session, manifest: Manifest) -> bool:
+    """Whether the catalog knows a blob of the manifest to be damaged."""
+    shas = {b.sha256 for r in manifest.ranks for rec in r.layers.values() for b in rec.blobs}
+    known = repository.blobs_by_sha(session, shas=shas)
+    return any(blob.damaged_at is not None for blob in known.values())
 
 
 def _parse(timestamp: str) -> datetime:

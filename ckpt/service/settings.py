@@ -26,14 +26,20 @@ class Settings:
             ``sqlite:///.ckpt/catalog.db``; production: ``postgresql+psycopg://...``.
         store: the object store holding the blobs (``CKPT_STORE``), as the agent names it.
         host, port: where ``ckpt server`` listens (``CKPT_HOST``, ``CKPT_PORT``).
-        admin_token: the bootstrap admin bearer token (``CKPT_ADMIN_TOKEN``). Unset on the
-            embedded SQLite default: one is generated into ``admin_token_file``.
+        admin_token: the bootstrap admin bearer token (``CKPT_ADMIN_TOKEN``); several, separated
+            by commas, are all valid (to rotate it without downtime). Unset on the embedded
+            SQLite default: one is generated into ``admin_token_file``.
         admin_token_file: where the embedded server keeps its generated admin token
             (``CKPT_ADMIN_TOKEN_FILE``, default ``.ckpt/admin-token``).
         auto_migrate: upgrade the schema at start (``CKPT_AUTO_MIGRATE``; default on for
             SQLite, off for a shared database, where the migrations Job does it).
         gc_interval_seconds: how often the server runs retention and GC (``CKPT_GC_INTERVAL_SECONDS``,
             default 600; 0 turns the periodic task off).
+        scrub_interval_seconds: the pause between two passes of the scrubber, which re-reads
+            and re-hashes the blobs of complete bundles, each run's resumable bundle first
+            (``CKPT_SCRUB_INTERVAL_SECONDS``, default 3600; 0 turns it off).
+        scrub_bytes_per_second: how fast the scrubber reads the store
+            (``CKPT_SCRUB_BYTES_PER_SECOND``, default 64 MiB/s; 0: as fast as it answers).
         pending_ttl_seconds: a bundle still pending after this long fails (``CKPT_PENDING_TTL_SECONDS``).
         blob_grace_seconds: an unreferenced blob younger than this is never deleted, so an
             upload that has not been recorded yet survives (``CKPT_BLOB_GRACE_SECONDS``).
@@ -44,6 +50,16 @@ class Settings:
             (since it registered, if it never did) is marked lost (``CKPT_LOST_AFTER_SECONDS``,
             default 60; agents heartbeat every 10 s). The server checks every
             ``lost_check_seconds``.
+        max_step_advance: a heartbeat or end report may name a step at most this far ahead of
+            the attempt's last reported step, or of the step it resumed from
+            (``CKPT_MAX_STEP_ADVANCE``, default 10,000,000).
+        rate_limit_per_second, rate_limit_burst: each bearer token may make this many
+            requests a second on average, and this many at once after a quiet spell
+            (``CKPT_RATE_LIMIT_PER_SECOND``, default 200, 0 turns it off;
+            ``CKPT_RATE_LIMIT_BURST``, default 5000). Per replica.
+        max_expensive_per_token: how many expensive requests (``/v1/blobs/missing`` with a
+            large body, commits, lineage, gc...) one token may have in flight at once
+            (``CKPT_MAX_EXPENSIVE_PER_TOKEN``, default 8, 0 turns it off). Per replica.
     """
 
     database_url: str = "sqlite:///.ckpt/catalog.db"
@@ -54,18 +70,34 @@ class Settings:
     admin_token_file: str = ".ckpt/admin-token"
     auto_migrate: bool | None = None
     gc_interval_seconds: float = 600.0
+    scrub_interval_seconds: float = 3600.0
+    scrub_bytes_per_second: float = float(64 << 20)
     pending_ttl_seconds: float = 6 * 3600.0
     blob_grace_seconds: float = 3600.0
     keep_last: int | None = None
     keep_every: int | None = None
     max_body_bytes: int = 16 << 20
     lost_after_seconds: float = 60.0
+    max_step_advance: int = 10_000_000
+    rate_limit_per_second: float = 200.0
+    rate_limit_burst: int = 5000
+    max_expensive_per_token: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("gc_interval_seconds", "pending_ttl_seconds", "blob_grace_seconds"):
+        for name in (
+            "gc_interval_seconds",
+            "scrub_interval_seconds",
+            "pending_ttl_seconds",
+            "blob_grace_seconds",
+        ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value}")
+        rate = self.scrub_bytes_per_second
+        if not (rate >= 0 and math.isfinite(rate)):
+            raise ValueError(
+                f"scrub_bytes_per_second must be a number >= 0 (0: no limit), got {rate}"
+            )
         if not (self.lost_after_seconds > 0 and math.isfinite(self.lost_after_seconds)):
             raise ValueError(
                 "lost_after_seconds must be a positive number of seconds (several heartbeat "
@@ -79,8 +111,30 @@ class Settings:
             raise ValueError(f"port must be 1-65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
-        if self.admin_token is not None and len(self.admin_token) < 16:
-            raise ValueError("CKPT_ADMIN_TOKEN must be at least 16 characters")
+        if self.admin_token is not None and any(
+            len(t) < 16 for t in admin_tokens(self.admin_token)
+        ):
+            raise ValueError(
+                "CKPT_ADMIN_TOKEN must be at least 16 characters (each of them, when several "
+                "are separated by commas)"
+            )
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        if self.max_step_advance < 1:
+            raise ValueError(f"max_step_advance must be at least 1, got {self.max_step_advance}")
+        rate = self.rate_limit_per_second
+        if not (rate >= 0 and math.isfinite(rate)):
+            raise ValueError(f"rate_limit_per_second must be a number >= 0 (0: off), got {rate}")
+        if self.rate_limit_burst < 1:
+            raise ValueError(
+                f"rate_limit_burst must be at least 1 request, got {self.rate_limit_burst}"
+            )
+        if self.max_expensive_per_token < 0:
+            raise ValueError(
+                "max_expensive_per_token must be >= 0 (0: no cap), got "
+                f"{self.max_expensive_per_token}"
+            )
 
     @property
     def embedded(self) -> bool:
@@ -125,6 +179,12 @@ def _parse(name: str, variable: str, text: str) -> object:
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a valid {kind}") from None
     return text
+
+
+def admin_tokens(text: str | None) -> tuple[str, ...]:
+    """The admin tokens in ``CKPT_ADMIN_TOKEN`` (or the embedded token file): one, or several
+    separated by commas while the admin token is rotated."""
+    return tuple(token.strip() for token in (text or "").split(",") if token.strip())
 
 
 def new_token() -> str:

@@ -4,6 +4,7 @@ run is bit-exact with respect to that older bundle."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +69,16 @@ def test_the_control_plane_quarantines_a_rotten_bundle_and_resumes_the_one_befor
             expect_rc=-9,
             env=env,
         )
-        rot_step(store, "rot", 16)
+        rotten = rot_step(store, "rot", 16)
         resumed = run_trainer(store, tmp_path / "resumed.pt", *STEPS, "--run", "rot", env=env)
         with server.client() as client:
             lineage = client.get("/v1/runs/rot/lineage").json()
     assert resumed["positions"][0] == (8, 1)
     assert differences(reference, resumed) == []
+    # Saving step 16 again wrote the rotten blob again (it was the same blob: the counters of
+    # step 16), as store-only does; else every later resume would fall back again.
+    blob = (store / keys.blob_key(rotten)).read_bytes()
+    assert hashlib.sha256(blob).hexdigest() == rotten
     first, _, third = (a["id"] for a in lineage["attempts"])
     saved = {(b["attempt_id"], b["step"]): b for b in lineage["bundles"]}
     assert saved[first, 16]["status"] == "quarantined"

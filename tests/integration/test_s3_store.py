@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,17 @@ def test_objects_round_trip(store: S3ObjectStore) -> None:
         store.get("runs/a/x")
     with pytest.raises(StoreError, match="no object"):
         store.read_into("runs/a/x", memoryview(buffer))
+
+
+def test_stat_gives_the_size_and_last_modified(store: S3ObjectStore) -> None:
+    before = time.time()
+    store.put("blobs/stat", [b"12345"])
+    found = store.stat("blobs/stat")
+    assert found is not None
+    assert (found.key, found.size) == ("blobs/stat", 5)
+    # LastModified has whole seconds; allow for that and a little clock difference.
+    assert before - 2 <= found.modified <= time.time() + 2
+    assert store.stat("blobs/nothing") is None
 
 
 def test_a_large_object_goes_up_in_several_checksummed_parts(

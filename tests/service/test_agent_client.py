@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt import Checkpointer, FencedError
+from ckpt import BundleExistsError, Checkpointer, FencedError
 from ckpt.core.errors import ControlPlaneError
 from ckpt.core.storage import DirectoryStore, keys
 from tests.service.conftest import Server
@@ -72,18 +72,39 @@ def test_each_save_reports_its_figures_to_the_control_plane(server: Server, run_
     assert "ckpt_save_stall_seconds_count 2.0" in metrics
 
 
-def test_a_second_save_at_the_same_step_keeps_the_first(
-    server: Server, run_name: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    ckpt = checkpointer(server, run_name)
+@pytest.fixture(params=["store-only", "control plane"])
+def same_step_checkpointer(
+    request: pytest.FixtureRequest, server: Server, run_name: str, tmp_path: Path
+) -> Iterable[Checkpointer]:
+    """A checkpointer that saved step 0 at micro step 0, store-only or through the server."""
+    if request.param == "store-only":
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        ckpt = Checkpointer(run=run_name, models=model, store=str(tmp_path / "store"))
+    else:
+        ckpt = checkpointer(server, run_name)
     ckpt.resume()
-    first = ckpt.save().wait()
-    ckpt.counters.micro_step = 2
-    with caplog.at_level(logging.WARNING, logger="ckpt"):
-        second = ckpt.save().wait()
-    assert second.bundle == first.bundle
-    assert "already committed a bundle at step 0" in caplog.text
+    ckpt.save().wait()
+    yield ckpt
     ckpt.close()
+
+
+def test_a_save_at_the_durable_position_saves_nothing(same_step_checkpointer: Checkpointer) -> None:
+    again = same_step_checkpointer.save()
+    assert again.done() and again.durable
+    result = again.wait()
+    assert (result.step, result.payload_bytes, result.new_bytes) == (0, 0, 0)
+
+
+def test_a_second_micro_step_of_a_saved_step_fails_loudly(
+    same_step_checkpointer: Checkpointer, run_name: str
+) -> None:
+    ckpt = same_step_checkpointer
+    ckpt.counters.micro_step = 2
+    with pytest.raises(BundleExistsError, match=r"saved step 0 already.*step 0, micro step 2"):
+        ckpt.save()
+    ckpt.counters.step, ckpt.counters.micro_step = 1, 0
+    assert ckpt.save().wait().step == 1  # the next step saves as usual
 
 
 def test_a_fenced_attempt_cannot_save(server: Server, run_name: str) -> None:
@@ -221,3 +242,23 @@ def test_only_a_whole_resume_makes_the_position_durable(server: Server, run_name
     whole.resume()
     assert str(whole._persister.durable_at) == "step 2"
     whole.close()
+
+
+def test_a_finished_run_started_again_adds_no_bundle(server: Server, run_name: str) -> None:
+    ckpt = checkpointer(server, run_name)
+    ckpt.resume()
+    ckpt.counters.step = 2
+    ckpt.save().wait()
+    ckpt.end()
+    ckpt.close()
+    manifest = server.store.root / keys.manifest_key(run_name, 2)
+    written = manifest.stat().st_mtime_ns
+    again = checkpointer(server, run_name)
+    assert again.resume().step == 2
+    assert again.save().wait().payload_bytes == 0  # the job's final save: nothing new
+    again.end()
+    again.close()
+    with server.client() as client:
+        run = client.get(f"/v1/runs/{run_name}").json()
+    assert run["num_bundles"] == {"complete": 1}
+    assert manifest.stat().st_mtime_ns == written

@@ -52,6 +52,7 @@ class World:
     run: str
     other_run: str
     complete_id: int  # a complete bundle of the run (its first attempt's)
+    blob: str  # a blob of it
     pending_id: int  # a pending bundle of the live attempt, every layer but the last recorded
     old_attempt: int  # the first attempt, fenced
     live: dict[str, Any]  # the live attempt's registration
@@ -117,6 +118,14 @@ TABLE: list[Row] = [
     Row("GET", "/v1/bundles/{bundle}", Access.READ, 200, lambda w: f"/v1/bundles/{w.pending_id}"),
     Row("GET", "/v1/bundles/{bundle}", Access.ANY, 404, lambda w: "/v1/bundles/987654321"),
     Row(
+        "GET",
+        "/v1/bundles/{bundle}/events",
+        Access.READ,
+        200,
+        lambda w: f"/v1/bundles/{w.complete_id}/events",
+    ),
+    Row("GET", "/v1/runs/{run}/events", Access.READ, 200, lambda w: f"/v1/runs/{w.run}/events"),
+    Row(
         "POST",
         "/v1/blobs/missing",
         Access.WRITER,
@@ -143,6 +152,14 @@ TABLE: list[Row] = [
         200,
         lambda w: f"/v1/runs/{w.run}",
         body=lambda w: {"keep_every": 100},
+    ),
+    Row(  # a run's dedup group decides which blobs its token may use: an admin's call
+        "PATCH",
+        "/v1/runs/{run}",
+        Access.ADMIN,
+        200,
+        lambda w: f"/v1/runs/{w.run}",
+        body=lambda w: {"dedup_group": "team"},
     ),
     Row(
         "POST",
@@ -173,6 +190,14 @@ TABLE: list[Row] = [
         200,
         lambda w: f"/v1/bundles/{w.pending_id}/commit",
         body=lambda w: {"epoch": w.live["epoch"]},
+    ),
+    Row(  # the live attempt names an intact blob: nothing is quarantined
+        "POST",
+        "/v1/bundles/{bundle}/quarantine",
+        Access.WRITE,
+        409,
+        lambda w: f"/v1/bundles/{w.complete_id}/quarantine",
+        body=lambda w: {"reason": "restore failed", "epoch": w.live["epoch"], "blob": w.blob},
     ),
     Row(
         "PATCH",
@@ -244,13 +269,22 @@ TABLE: list[Row] = [
         lambda w: f"/v1/tokens/{w.spare_token_id}",
     ),
     Row("POST", "/v1/gc", Access.ADMIN, 200, lambda w: "/v1/gc?dry_run=true"),
-    Row(  # last: it sets the complete bundle aside
+    Row("POST", "/v1/scrub", Access.ADMIN, 200, lambda w: "/v1/scrub"),
+    Row(  # near the end: it sets the complete bundle aside; a run token sends no epoch here
         "POST",
         "/v1/bundles/{bundle}/quarantine",
         Access.WRITE,
         200,
         lambda w: f"/v1/bundles/{w.complete_id}/quarantine",
         body=lambda w: {"reason": "blob abc does not match its SHA-256"},
+        overrides={"own": 409},
+    ),
+    Row(
+        "POST",
+        "/v1/bundles/{bundle}/unquarantine",
+        Access.ADMIN,
+        200,
+        lambda w: f"/v1/bundles/{w.complete_id}/unquarantine",
     ),
 ]
 
@@ -298,6 +332,7 @@ def build_world(server: Server, run: str) -> World:
         run=run,
         other_run=other_run,
         complete_id=complete["id"],
+        blob=complete["manifest"]["ranks"][0]["layers"]["weights"]["blobs"][-1]["sha256"],
         pending_id=pending_id,
         old_attempt=first["attempt_id"],
         live=live,

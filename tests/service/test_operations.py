@@ -169,6 +169,7 @@ def test_cli_lists_and_revokes_tokens(server: Server, run_name: str, tmp_path: P
         "run",
         "created_at",
         "revoked_at",
+        "expires_at",  # null: never (test_token_expiry.py)
     }
     for secret in secrets:  # the catalog holds only hashes: nothing to leak, and none leaks
         assert secret not in table.stdout + json.dumps(listed)

@@ -101,6 +101,7 @@ def test_json_report_of_an_intact_bundle(
         "blobs": blobs,
         "bytes": size,
         "bad": {},
+        "missing": [],
         "intact": True,
     }
 
@@ -135,3 +136,43 @@ def test_json_asked_for_a_missing_bundle_exits_2_with_nothing_on_stdout(
     out, err = capsys.readouterr()
     assert out == ""
     assert "run nobody has no bundle" in err
+
+
+def drop_layer(store: DirectoryStore, *, step: int, layer: Layer) -> None:
+    """Rewrite the manifest at ``step`` without one of its layers (five of six)."""
+    manifest = find_manifest(store, "verified", step=step)
+    rank = manifest.ranks[0]
+    layers = {name: record for name, record in rank.layers.items() if name != layer}
+    partial = manifest.model_copy(update={"ranks": (rank.model_copy(update={"layers": layers}),)})
+    store.put(keys.manifest_key("verified", step), [partial.model_dump_json().encode()])
+
+
+def test_the_newest_bundle_is_the_one_a_resume_would_take(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = saved(tmp_path / "store", steps=(1, 2))
+    drop_layer(store, step=2, layer=Layer.COUNTERS)
+    assert main(["verify", "verified", "--store", str(tmp_path / "store")]) == 0
+    out = capsys.readouterr().out
+    assert "bundles/000000000001/manifest.json" in out and out.rstrip().endswith("intact")
+
+
+def test_a_bundle_without_every_layer_is_not_intact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = saved(tmp_path / "store", steps=(1, 2))
+    drop_layer(store, step=2, layer=Layer.COUNTERS)
+    assert main(["verify", "verified", "--step", "2", "--store", str(store.root), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["missing"] == ["rank 0 counters"] and report["intact"] is False
+    assert main(["verify", "verified", "--step", "2", "--store", str(store.root)]) == 1
+    assert "MISSING  rank 0 counters" in capsys.readouterr().out
+
+
+def test_a_run_with_no_complete_bundle_is_not_verified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = saved(tmp_path / "store", steps=(1,))
+    drop_layer(store, step=1, layer=Layer.RNG)
+    assert main(["verify", "verified", "--store", str(store.root)]) == 2
+    assert "has no complete bundle" in capsys.readouterr().err

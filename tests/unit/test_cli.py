@@ -15,7 +15,7 @@ import pytest
 
 from ckpt.cli import build_parser, main
 from ckpt.cli.text import paragraphs
-from ckpt.cli.tokens import format_tokens
+from ckpt.cli.tokens import duration, format_tokens
 from ckpt.service.auth.schemas import TokenOut
 from ckpt.service.models import Role
 
@@ -125,16 +125,52 @@ def test_token_revoke_refuses_what_is_not_an_id(text: str) -> None:
 
 def test_format_tokens_shows_no_secret_and_says_when_there_is_none() -> None:
     created = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    later = datetime(2999, 1, 2, 3, 4, 5, tzinfo=UTC)
     tokens = [
         TokenOut(id=1, name="ci", role=Role.RUN, run="r", created_at=created, revoked_at=created),
         TokenOut(id=2, name="ops", role=Role.ADMIN, run=None, created_at=created, revoked_at=None),
+        TokenOut(
+            id=3,
+            name="job",
+            role=Role.RUN,
+            run="r",
+            created_at=created,
+            revoked_at=None,
+            expires_at=created,
+        ),
+        TokenOut(
+            id=4,
+            name="dash",
+            role=Role.READ,
+            run=None,
+            created_at=created,
+            revoked_at=None,
+            expires_at=later,
+        ),
     ]
     assert format_tokens(tokens).splitlines() == [
-        "ID  NAME  ROLE   RUN  CREATED              REVOKED",
-        "1   ci    run    r    2026-01-02 03:04:05  2026-01-02 03:04:05",
-        "2   ops   admin  -    2026-01-02 03:04:05  -",
+        "ID  NAME  ROLE   RUN  CREATED              EXPIRES                        REVOKED",
+        "1   ci    run    r    2026-01-02 03:04:05  never                          2026-01-02 03:04:05",
+        "2   ops   admin  -    2026-01-02 03:04:05  never                          -",
+        "3   job   run    r    2026-01-02 03:04:05  2026-01-02 03:04:05 (expired)  -",
+        "4   dash  read   -    2026-01-02 03:04:05  2999-01-02 03:04:05            -",
     ]
     assert "no tokens" in format_tokens([])
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30d", 30 * 86400), ("12h", 43200), ("90m", 5400), ("3600s", 3600), ("7", 7)],
+)
+def test_token_durations(text: str, seconds: int) -> None:
+    assert duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0d", "-1h", "1.5d", "d", "", "30y", "٣d"])
+def test_token_create_refuses_what_is_not_a_duration(text: str) -> None:
+    code, out, err = run(["token", "create", "--role", "read", f"--expires-in={text}"])
+    assert code == 2 and out == ""
+    assert f"{text!r} is not a duration" in err
 
 
 def test_paragraphs_wraps_each_paragraph_and_keeps_them_apart() -> None:

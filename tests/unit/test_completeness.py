@@ -168,10 +168,14 @@ def test_a_rank_with_one_layer_is_not_a_missing_rank() -> None:
         (StoredBlob(size=99, sha256_ok=False), BlobProblem.WRONG_SIZE),  # size is checked first
         (StoredBlob(size=None, sha256_ok=False), BlobProblem.ABSENT),
         (StoredBlob(size=123, sha256_ok=False), BlobProblem.WRONG_HASH),
+        # Run isolation: not written by the committing run, whatever the store holds.
+        (StoredBlob(size=None, written=False), BlobProblem.NOT_WRITTEN),
+        (StoredBlob(size=123, sha256_ok=True, written=False), BlobProblem.NOT_WRITTEN),
+        (StoredBlob(size=123, written=True), None),
     ],
 )
 def test_a_bad_blob_is_reported_with_its_problem_and_sizes(
-    found: StoredBlob | None, problem: BlobProblem
+    found: StoredBlob | None, problem: BlobProblem | None
 ) -> None:
     recorded = bundle(2)
     bad = BlobRef(sha256=sha("bad"), size=123)
@@ -183,6 +187,9 @@ def test_a_bad_blob_is_reported_with_its_problem_and_sizes(
     result = missing(world_size=2, recorded=recorded, stored=stored)
     assert result.layers == []
     assert result.ranks == []
+    if problem is None:
+        assert not result
+        return
     assert result.blobs == [
         BadBlob(
             sha256=bad.sha256,

@@ -203,6 +203,13 @@ def test_every_seconds_saves_once_the_time_has_passed() -> None:
     assert due(policy, at(0), None, seconds=60.0)
 
 
+def test_every_seconds_saves_a_step_once() -> None:
+    policy = SavePolicy(every_seconds=60.0)
+
+    assert not due(policy, at(3, micro_step=2), at(3), seconds=600.0)
+    assert due(policy, at(4, micro_step=2), at(3), seconds=600.0)
+
+
 def test_either_rule_triggers_a_save() -> None:
     policy = SavePolicy(every_steps=100, every_seconds=60.0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -60,6 +61,20 @@ def test_absent_keys(store: DirectoryStore) -> None:
         store.read_into("nope", memoryview(bytearray(4)))
     assert store.size("nope") is None
     store.delete("nope")  # absent keys are ignored
+
+
+def test_stat_gives_the_size_and_when_the_object_was_written(store: DirectoryStore) -> None:
+    before = time.time()
+    store.put("blobs/sha256/ab/abc", [b"12345"])
+    found = store.stat("blobs/sha256/ab/abc")
+    assert found is not None
+    assert (found.key, found.size) == ("blobs/sha256/ab/abc", 5)
+    # The filesystem's clock may round: allow what its timestamps are coarse by.
+    assert before - 2 <= found.modified <= time.time() + 2
+    assert store.stat("blobs/sha256/ab/nope") is None
+    (store.root / "blobs" / "sha256" / "cd").write_text("a file where a directory goes")
+    with pytest.raises(StoreError, match="cannot stat"):
+        store.stat("blobs/sha256/cd/cdef")
 
 
 def test_read_into_fills_the_start_of_the_buffer(store: DirectoryStore) -> None:

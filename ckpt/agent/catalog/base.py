@@ -20,8 +20,11 @@ class Catalog(Protocol):
         this process is about to continue), or None."""
         ...
 
-    def fall_back(self, run: str, manifest: Manifest, *, own: bool, reason: str) -> Manifest | None:
-        """Set ``manifest`` aside (it failed verification) and return the bundle before it."""
+    def fall_back(
+        self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
+    ) -> Manifest | None:
+        """Set ``manifest`` aside (its ``blob`` failed verification) and return the bundle
+        before it."""
         ...
 
     def verified(self, blobs: Iterable[str]) -> None:
@@ -37,11 +40,6 @@ class Catalog(Protocol):
         """This process resumed from, or is writing, the bundle at ``step``."""
         ...
 
-    def has_committed(self, step: int) -> bool:
-        """Whether this attempt already committed a bundle at ``step`` (which a save at the
-        same step then keeps)."""
-        ...
-
     def commit(self, upload: Upload, *, step: int) -> Manifest:
         """Upload through ``upload``, record every layer and commit: the bundle's manifest."""
         ...
@@ -54,6 +52,11 @@ class Catalog(Protocol):
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
         """Record how this attempt ended (once; later calls do nothing)."""
+        ...
+
+    def unreachable(self) -> bool:
+        """Whether the catalog cannot be reached now (a control plane that is down): a save
+        in flight is then retrying, and training should not wait for it."""
         ...
 
     def close(self) -> None: ...

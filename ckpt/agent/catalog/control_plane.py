@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterable
 
 from ckpt.agent.attempt import Attempt
 from ckpt.agent.catalog.base import Upload
-from ckpt.agent.client import ControlPlane, IncompleteCommitError, Registration
+from ckpt.agent.client import ControlPlane, IncompleteCommitError, IntactBlobError, Registration
 from ckpt.agent.manifests import versions
 from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
-from ckpt.core.errors import ControlPlaneError
+from ckpt.core.errors import ControlPlaneError, StoreError
 
 log = logging.getLogger("ckpt")
 
@@ -49,7 +49,6 @@ class ControlPlaneCatalog:
             store_url=store_url,
         )
         self._run, self._ranks, self._store_url = run, ranks, store_url
-        self._committed: dict[int, Manifest] = {}  # this attempt's bundles, by step
 
     def resumable(self, run: str, *, own: bool) -> Manifest | None:
         """Register this attempt (fencing every older one); resume from the bundle the
@@ -57,15 +56,29 @@ class ControlPlaneCatalog:
         registration = self.attempt.register(resume=own)
         return registration.resume_from if own else self.control.resumable(run)
 
-    def fall_back(self, run: str, manifest: Manifest, *, own: bool, reason: str) -> Manifest | None:
-        """Quarantine the bundle; register again so that the new attempt resumes from (and
+    def fall_back(
+        self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
+    ) -> Manifest | None:
+        """Report ``blob`` damaged (the control plane reads it back and quarantines every
+        complete bundle using it); register again so that the new attempt resumes from (and
         records) the bundle before it. Refuse instead when the control plane reads another
-        store: the bundle is likely whole there, and only this process cannot see it."""
+        store (the bundle is likely whole there, and only this process cannot see it), or
+        reads the blob back intact (this read went wrong on the way: retry)."""
         registration = self.attempt.registration
         if registration is not None and registration.store not in (None, self._store_url):
             raise self._other_store(f"cannot read {manifest.run} step {manifest.step} ({reason})")
         if manifest.catalog is not None:
-            self.control.quarantine(manifest.catalog.bundle_id, reason=reason)
+            epoch = registration.epoch if own and registration is not None else None
+            try:
+                self.control.quarantine(
+                    manifest.catalog.bundle_id, reason=reason, epoch=epoch, blob=blob
+                )
+            except IntactBlobError as err:
+                raise StoreError(
+                    f"{reason}; but the control plane reads blob {blob} back intact from the "
+                    "store: this read went wrong between the store and this process. Nothing "
+                    "was quarantined; retry the resume"
+                ) from err
         if own:
             return self.attempt.register(resume=True).resume_from
         return self.control.resumable(run)
@@ -79,22 +92,9 @@ class ControlPlaneCatalog:
     def own_step(self, step: int) -> None:
         return None
 
-    def has_committed(self, step: int) -> bool:
-        return step in self._committed
-
     def commit(self, upload: Upload, *, step: int) -> Manifest:
-        attempt = self.attempt.current()
-        if step in self._committed:
-            # The catalog holds one bundle per attempt and step; the one already committed
-            # is a valid resume point for this step (the micro-batches since are replayed).
-            log.warning(
-                "run %s: this attempt already committed a bundle at step %d; keeping it",
-                self._run,
-                step,
-            )
-            return self._committed[step]
-        self._committed[step] = manifest = self._commit_new(attempt, step, upload)
-        return manifest
+        """One bundle per attempt and step (the checkpointer saves a step once)."""
+        return self._commit_new(self.attempt.current(), step, upload)
 
     def _commit_new(self, attempt: Registration, step: int, upload: Upload) -> Manifest:
         """Open, upload what the store lacks, record every layer, commit. A commit that finds
@@ -172,6 +172,9 @@ class ControlPlaneCatalog:
         self.attempt.end(
             reason, final_save_committed=final_save_committed, step=step, patience=patience
         )
+
+    def unreachable(self) -> bool:
+        return self.control.unreachable
 
     def close(self) -> None:
         self.attempt.stop()

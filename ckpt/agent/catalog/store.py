@@ -34,7 +34,9 @@ class StoreCatalog:
     def resumable(self, run: str, *, own: bool) -> Manifest | None:
         return latest_manifest(self._store, run)
 
-    def fall_back(self, run: str, manifest: Manifest, *, own: bool, reason: str) -> Manifest | None:
+    def fall_back(
+        self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
+    ) -> Manifest | None:
         if own:  # the rotten bundle's step is saved again, replacing it
             self._own_steps.add(manifest.step)
         return latest_manifest(self._store, run, below=manifest.step)
@@ -55,9 +57,6 @@ class StoreCatalog:
 
     def own_step(self, step: int) -> None:
         self._own_steps.add(step)
-
-    def has_committed(self, step: int) -> bool:
-        return False  # a save at a step saved before replaces that bundle
 
     def commit(self, upload: Upload, *, step: int) -> Manifest:
         records = upload(store_held(self._store, self._verified))
@@ -80,6 +79,9 @@ class StoreCatalog:
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
         return None  # no attempts without a control plane
+
+    def unreachable(self) -> bool:
+        return False  # the store's own failures fail the save; there is nothing to wait out
 
     def close(self) -> None:
         return None

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ckpt.agent.checkpointer import Checkpointer
-from ckpt.agent.data import PerSampleRNG, ResumableSampler
 from ckpt.agent.persist import PendingSave
+from ckpt.agent.sampling import PerSampleRNG, ResumableSampler
 from ckpt.core.contract import Layer
 from ckpt.core.storage import ObjectStore, open_store
 

@@ -43,6 +43,10 @@ class ObjectStore(Protocol):
         """The object's size in bytes, or None when it is absent."""
         ...
 
+    def stat(self, key: str) -> StoredObject | None:
+        """The object's size and when it was last written, or None when it is absent."""
+        ...
+
     def list_keys(self, prefix: str) -> Iterator[str]:
         """Every key that starts with ``prefix``, in lexicographic order."""
         ...

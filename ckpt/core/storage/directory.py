@@ -89,6 +89,15 @@ class DirectoryStore:
         except OSError as err:
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
 
+    def stat(self, key: str) -> StoredObject | None:
+        try:
+            found = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
+        return StoredObject(key, found.st_size, found.st_mtime)
+
     def list_keys(self, prefix: str) -> Iterator[str]:
         return (item.key for item in self.list_objects(prefix))
 

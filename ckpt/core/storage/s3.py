@@ -152,6 +152,10 @@ class S3ObjectStore:
             raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
 
     def size(self, key: str) -> int | None:
+        found = self.stat(key)
+        return None if found is None else found.size
+
+    def stat(self, key: str) -> StoredObject | None:
         try:
             answer = self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
         except ClientError as err:
@@ -160,7 +164,7 @@ class S3ObjectStore:
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
         except BotoCoreError as err:
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
-        return int(answer["ContentLength"])
+        return StoredObject(key, int(answer["ContentLength"]), answer["LastModified"].timestamp())
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         return (item.key for item in self.list_objects(prefix))

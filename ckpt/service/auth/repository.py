@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from datetime import datetime
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -13,10 +15,21 @@ def find_token(session: Session, *, token_hash: str) -> Token | None:
 
 
 def add_token(
-    session: Session, *, name: str, token_hash: str, role: str, run_name: str | None
+    session: Session,
+    *,
+    name: str,
+    token_hash: str,
+    role: str,
+    run_name: str | None,
+    expires_at: datetime | None,
 ) -> Token:
     token = Token(
-        name=name, token_hash=token_hash, role=role, run_name=run_name, created_at=utcnow()
+        name=name,
+        token_hash=token_hash,
+        role=role,
+        run_name=run_name,
+        created_at=utcnow(),
+        expires_at=expires_at,
     )
     session.add(token)
     session.flush()

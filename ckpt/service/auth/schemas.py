@@ -6,7 +6,9 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt.service.models import Role
-from ckpt.service.names import PRINTABLE, RunName
+from ckpt.service.names import Label, RunName
+
+MAX_EXPIRY_SECONDS = 10 * 366 * 86400  # ten years
 
 
 class TokenCreate(BaseModel):
@@ -14,7 +16,16 @@ class TokenCreate(BaseModel):
 
     role: Role
     run: RunName | None = None
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=PRINTABLE)] = "token"
+    name: Label = "token"
+    expires_in_seconds: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=MAX_EXPIRY_SECONDS,
+            strict=True,
+            description="the token is refused (401) this many seconds from now; null: never",
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _run_matches_role(self) -> TokenCreate:
@@ -30,6 +41,9 @@ class TokenOut(BaseModel):
     run: str | None
     created_at: datetime
     revoked_at: datetime | None
+    expires_at: datetime | None = Field(
+        default=None, description="refused from then on; null: never"
+    )
 
 
 class TokenCreated(TokenOut):

@@ -6,6 +6,12 @@ every blob with the recorded size and SHA-256, then, in one transaction holding 
 row lock, writes the manifest to the store, marks the bundle complete and moves the run's
 head. Store reads happen outside any transaction; the decision is re-checked under the
 lock, so concurrent commits from many ranks produce one complete bundle.
+
+A blob is hashed once: later commits check only its presence and size, unless it was found
+damaged since (``damage.py``), when it is read and hashed again; intact, its damage is
+cleared. A commit that finds a blob absent or not matching its SHA-256 marks it damaged.
+For a run token, a blob its run's dedup group never committed must have been written since
+the bundle was opened (``isolation.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy.orm import Session
 
@@ -21,14 +28,16 @@ from ckpt.core.errors import StoreError
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.service import completeness, lineage
 from ckpt.service.auth.service import Principal
-from ckpt.service.bundles import repository
+from ckpt.service.bundles import damage, isolation, repository
 from ckpt.service.bundles.blobs import stored_blobs
 from ckpt.service.bundles.fencing import check_epoch, for_write
 from ckpt.service.bundles.schemas import Commit, Committed
 from ckpt.service.bundles.service import bundle_out
-from ckpt.service.completeness import StoredBlob
+from ckpt.service.completeness import BlobProblem, StoredBlob
 from ckpt.service.context import Context
 from ckpt.service.errors import ConflictError, IncompleteError, StoreUnavailableError
+from ckpt.service.events import service as events
+from ckpt.service.events.schemas import Action
 from ckpt.service.models import Attempt, Bundle, BundleStatus, Run, utcnow
 from ckpt.service.runs.service import catalog_nodes, node
 from ckpt.service.sql import Lock
@@ -49,16 +58,30 @@ def commit_bundle(
             if bundle.status == BundleStatus.COMPLETE:
                 return _committed(session, bundle, run)
             _check_pending(bundle)
-            plan = _plan(session, bundle)
-        stored = stored_blobs(context.store, plan.sizes, verified=plan.verified)
+            plan = _plan(session, bundle, run, principal=principal)
+        read_at = utcnow()
+        stored = stored_blobs(
+            context.store,
+            plan.sizes,
+            verified=plan.verified,
+            unproven=plan.unproven,
+            opened_at=plan.opened_at,
+        )
+        _mark_damage_found(context, principal, bundle_id, stored)
         done = _finish_commit(
-            context, principal, bundle_id, request=request, plan=plan, stored=stored
+            context,
+            principal,
+            bundle_id,
+            request=request,
+            plan=plan,
+            read_at=read_at,
+            stored=stored,
         )
         if done is not None:
             return done
     raise ConflictError(
-        f"bundle {bundle_id}: layers kept being recorded while it was committed; commit again "
-        "once every rank has recorded its layers"
+        f"bundle {bundle_id}: layers kept being recorded (or its blobs found damaged) while it "
+        "was committed; commit again once every rank has recorded its layers"
     )
 
 
@@ -68,18 +91,60 @@ class _Plan:
 
     records: dict[tuple[int, Layer], LayerRecord]
     sizes: dict[str, int]  # every referenced blob
-    verified: frozenset[str]  # those the service read back and hashed before
+    verified: frozenset[str]  # those the service read back and hashed, and not damaged since
+    unproven: frozenset[str]  # those the run must show it wrote (run isolation)
+    opened_at: datetime
 
 
-def _plan(session: Session, bundle: Bundle) -> _Plan:
-    records = {
+def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -> _Plan:
+    records = _records(session, bundle)
+    sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
+    known = repository.blobs_by_sha(session, shas=sizes)
+    verified = frozenset(sha for sha, blob in known.items() if damage.trusted(blob))
+    unproven = frozenset(
+        set(sizes) - isolation.owned(session, run, shas=sizes)
+        if isolation.limited(principal)
+        else ()
+    )
+    return _Plan(
+        records=records,
+        sizes=sizes,
+        verified=verified,
+        unproven=unproven,
+        opened_at=bundle.created_at,
+    )
+
+
+def _records(session: Session, bundle: Bundle) -> dict[tuple[int, Layer], LayerRecord]:
+    return {
         (row.rank, Layer(row.layer)): LayerRecord.model_validate(row.record)
         for row in repository.layers_of(session, bundle_id=bundle.id)
     }
-    sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
-    known = repository.blobs_by_sha(session, shas=sizes)
-    verified = frozenset(sha for sha, blob in known.items() if blob.verified_at is not None)
-    return _Plan(records=records, sizes=sizes, verified=verified)
+
+
+def _mark_damage_found(
+    context: Context, principal: Principal, bundle_id: int, stored: Mapping[str, StoredBlob]
+) -> None:
+    """Blobs the store lacks, or holds with bytes that do not match their SHA-256, are
+    damaged, whichever bundle references them (a wrong size may be the record's fault, and
+    an unproven blob was not looked at)."""
+    found = {
+        sha: problem
+        for sha, blob in stored.items()
+        if blob.written is not False
+        and (problem := _fact(blob)) in (BlobProblem.ABSENT, BlobProblem.WRONG_HASH)
+    }
+    if found:
+        with context.transaction() as session:
+            damage.mark_damaged(
+                session, found, actor=principal.actor, found_by=f"the commit of bundle {bundle_id}"
+            )
+
+
+def _fact(blob: StoredBlob) -> BlobProblem | None:
+    if blob.size is None:
+        return BlobProblem.ABSENT
+    return BlobProblem.WRONG_HASH if blob.sha256_ok is False else None
 
 
 def _finish_commit(
@@ -89,21 +154,38 @@ def _finish_commit(
     *,
     request: Commit,
     plan: _Plan,
+    read_at: datetime,
     stored: Mapping[str, StoredBlob],
 ) -> Committed | None:
-    """Decide under the run's lock; None when layers changed since ``plan`` (check again)."""
+    """Decide under the run's lock; None when layers were recorded since ``plan``, or a
+    blob was found damaged since the store was read at ``read_at`` (check again)."""
     with context.transaction() as session:
         bundle, run, attempt = for_write(session, principal, bundle_id, lock=Lock.UPDATE)
         check_epoch(context, run, attempt=attempt, claimed=request.epoch)
         if bundle.status == BundleStatus.COMPLETE:
             return _committed(session, bundle, run)
         _check_pending(bundle)
-        if _plan(session, bundle).records != plan.records:
+        if _records(session, bundle) != plan.records:
+            return None
+        # The blobs' rows stay locked until the bundle is complete: a blob found damaged
+        # meanwhile waits, then quarantines it; one found damaged since the store was read
+        # is read again.
+        rows = repository.lock_blobs(session, shas=plan.sizes)
+        seen_whole = [
+            row
+            for sha, row in rows.items()
+            if completeness.blob_problem(plan.sizes[sha], stored[sha]) is None
+        ]
+        if damage.found_since(seen_whole, read_at) or not plan.verified <= {
+            sha for sha, row in rows.items() if damage.trusted(row)
+        }:
             return None
         _check_complete(context, bundle, run, plan=plan, stored=stored)
         manifest = _manifest(bundle, run, attempt, plan.records)
         _write_manifest(context.store, manifest)
-        _complete(context, session, bundle, run, plan=plan, manifest=manifest)
+        _complete(
+            context, session, bundle, run, plan=plan, manifest=manifest, actor=principal.actor
+        )
         return _committed(session, bundle, run)
 
 
@@ -118,7 +200,7 @@ def _check_complete(
         context.metrics.rejected.labels(reason="incomplete").inc()
         raise IncompleteError(
             f"bundle {bundle.id} (run {run.name!r}, step {bundle.step}) is not complete: "
-            f"{_summary(missing)}; record or upload what is listed and commit again",
+            f"{completeness.summary(missing)}; record or upload what is listed and commit again",
             missing=missing.model_dump(mode="json"),
         )
 
@@ -143,6 +225,7 @@ def _complete(
     *,
     plan: _Plan,
     manifest: Manifest,
+    actor: str,
 ) -> None:
     """Mark the newly read blobs verified and the bundle complete, and move the run's head."""
     now = utcnow()
@@ -154,6 +237,7 @@ def _complete(
     bundle.status = BundleStatus.COMPLETE
     bundle.committed_at = now
     bundle.manifest = manifest.model_dump(mode="json")
+    events.record(session, bundle, actor=actor, action=Action.COMMITTED)
     run.head_bundle_id = lineage.head_after_commit(
         run.head_bundle_id, node(bundle), catalog_nodes(session)
     )
@@ -188,19 +272,6 @@ def _manifest(
             epoch=attempt.epoch if attempt else 0,
         ),
     )
-
-
-def _summary(missing: completeness.Missing) -> str:
-    parts = []
-    if missing.ranks:
-        parts.append(f"ranks {missing.ranks} recorded nothing")
-    if missing.layers:
-        parts.append(f"{len(missing.layers)} (rank, layer) parts unrecorded")
-    for problem in completeness.BlobProblem:
-        count = sum(1 for blob in missing.blobs if blob.problem is problem)
-        if count:
-            parts.append(f"{count} blob(s) {problem.value.replace('_', ' ')}")
-    return ", ".join(parts)
 
 
 def _check_pending(bundle: Bundle) -> None:

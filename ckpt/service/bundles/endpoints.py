@@ -1,10 +1,13 @@
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
 
 from ckpt.core.contract import Layer, SaveFigures
+from ckpt.service.bulk import json_body, parse_body
+from ckpt.service.bundles import quarantine as quarantines
 from ckpt.service.bundles import service
 from ckpt.service.bundles.commit import commit_bundle
 from ckpt.service.bundles.schemas import (
@@ -16,16 +19,16 @@ from ckpt.service.bundles.schemas import (
     Commit,
     Committed,
     IncompleteBody,
+    IntactBody,
     LayerPut,
     Quarantine,
     RecordedLayer,
     SaveOut,
+    Unquarantine,
 )
-from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RunPath
+from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RankPath, RunPath
 
 router = APIRouter(prefix="/v1", tags=["bundles"])
-
-RankPath = Annotated[int, Path(ge=0, le=16383)]
 CONFLICTS: dict[int | str, dict[str, Any]] = {
     409: {"description": "fenced, or the catalog's state forbids it"}
 }
@@ -68,10 +71,14 @@ def report_save(
     return service.report_save(context, principal, bundle_id=bundle, rank=rank, figures=figures)
 
 
-@router.post("/blobs/missing")
-def blobs_missing(query: BlobsQuery, principal: PrincipalDep, context: ContextDep) -> BlobsMissing:
+@router.post("/blobs/missing", openapi_extra=json_body(BlobsQuery))
+async def blobs_missing(
+    request: Request, principal: PrincipalDep, context: ContextDep
+) -> BlobsMissing:
     """Which of these blobs the store does not hold yet (upload those)."""
-    return service.blobs_missing(context, principal, query)
+    # Up to 10,000 blobs: parsed on a worker thread, in slices (bulk.py), not on the event loop.
+    query = await parse_body(request, BlobsQuery)
+    return await run_in_threadpool(service.blobs_missing, context, principal, query)
 
 
 @router.post(
@@ -91,12 +98,33 @@ def get_bundle(bundle: IdPath, principal: PrincipalDep, context: ContextDep) -> 
     return service.get_bundle(context, principal, bundle_id=bundle)
 
 
-@router.post("/bundles/{bundle}/quarantine", responses=CONFLICTS)
+@router.post(
+    "/bundles/{bundle}/quarantine",
+    responses={409: {"model": IntactBody, "description": "intact, fenced, or not complete"}},
+)
 def quarantine(
     bundle: IdPath, request: Quarantine, principal: PrincipalDep, context: ContextDep
 ) -> BundleOut:
-    """Set aside a complete bundle that failed verification (the agent reports it)."""
-    return service.quarantine(context, principal, bundle_id=bundle, request=request)
+    """Set aside a complete bundle whose blob failed verification (the service reads the
+    blob back first; every complete bundle using it is quarantined), or, as an admin, a
+    bundle alone."""
+    return quarantines.quarantine(context, principal, bundle_id=bundle, request=request)
+
+
+@router.post(
+    "/bundles/{bundle}/unquarantine",
+    responses={409: {"model": IncompleteBody, "description": "a blob is still bad"}},
+)
+def unquarantine(
+    bundle: IdPath,
+    principal: PrincipalDep,
+    context: ContextDep,
+    request: Unquarantine | None = None,
+) -> BundleOut:
+    """Make a quarantined bundle complete again once every blob reads back intact (admin)."""
+    return quarantines.unquarantine(
+        context, principal, bundle_id=bundle, request=request or Unquarantine()
+    )
 
 
 @router.patch("/bundles/{bundle}")

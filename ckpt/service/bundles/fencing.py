@@ -10,21 +10,27 @@ from ckpt.service.auth.service import Principal, require_write
 from ckpt.service.bundles import repository
 from ckpt.service.context import Context
 from ckpt.service.errors import FencedError, NotFoundError
-from ckpt.service.models import Attempt, Bundle, Run
+from ckpt.service.models import Attempt, Bundle, Role, Run
 from ckpt.service.runs import repository as runs_repository
 from ckpt.service.sql import Lock
 
 
 def for_write(
-    session: Session, principal: Principal, bundle_id: int, *, lock: Lock
+    session: Session,
+    principal: Principal,
+    bundle_id: int,
+    *,
+    lock: Lock,
+    bundle_lock: Lock | None = None,
 ) -> tuple[Bundle, Run, Attempt | None]:
-    """The bundle, its run and attempt, authorized for writing; rows locked run first."""
+    """The bundle, its run and attempt, authorized for writing; rows locked run first (the
+    bundle with ``bundle_lock`` when given, else ``lock``)."""
     found = repository.get_bundle(session, bundle_id=bundle_id)
     if found is None:
         raise NotFoundError(f"no bundle with id {bundle_id}")
     run = runs_repository.get_run_by_id(session, run_id=found.run_id, lock=lock)
     require_write(principal, run.name)
-    bundle = repository.get_bundle(session, bundle_id=bundle_id, lock=lock)
+    bundle = repository.get_bundle(session, bundle_id=bundle_id, lock=bundle_lock or lock)
     assert bundle is not None
     attempt = (
         runs_repository.get_attempt(session, attempt_id=bundle.attempt_id)
@@ -43,5 +49,21 @@ def check_epoch(context: Context, run: Run, *, attempt: Attempt | None, claimed:
         f"epoch {claimed} is fenced: run {run.name!r} is at epoch {run.epoch} (a newer attempt "
         "registered, or the run was rolled back). Stop writing; this attempt's saves cannot "
         "move the run's head.",
+        run_epoch=run.epoch,
+    )
+
+
+def check_run_epoch(
+    context: Context, principal: Principal, run: Run, *, claimed: int | None
+) -> None:
+    """Fencing for a write that names no attempt of its own (a quarantine): a run token must
+    send the run's current epoch; an admin is never fenced."""
+    if principal.role is Role.ADMIN or (claimed is not None and claimed == run.epoch):
+        return
+    context.metrics.fenced.inc()
+    sent = "no epoch" if claimed is None else f"epoch {claimed}"
+    raise FencedError(
+        f"{sent} is fenced: run {run.name!r} is at epoch {run.epoch}. Only the run's current "
+        "attempt, sending its epoch, may quarantine its bundles",
         run_epoch=run.epoch,
     )

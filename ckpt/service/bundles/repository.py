@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import datetime
+from typing import TypeVar
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -11,6 +12,7 @@ from ckpt.service.sql import Lock, insert, locked
 
 # Rows per statement: Postgres takes at most 65535 bind parameters per query.
 _BATCH = 1000
+T = TypeVar("T")
 
 
 def get_bundle(session: Session, *, bundle_id: int, lock: Lock = Lock.NONE) -> Bundle | None:
@@ -154,22 +156,106 @@ def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
     return found
 
 
-def mark_verified(session: Session, *, sizes: Mapping[str, int], at: datetime) -> None:
-    """Record that these blobs were read back with these sizes and matching SHA-256s."""
-    ordered = sorted(sizes)
+def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
+    """These blobs' catalog rows, locked for update in hash order (as claims lock them: an
+    UPDATE alone would lock in scan order and could deadlock with a claim)."""
+    found: dict[str, Blob] = {}
+    ordered = sorted(shas)
     for start in range(0, len(ordered), _BATCH):
         chunk = ordered[start : start + _BATCH]
-        # Lock in hash order first, as claim_blobs does: an UPDATE locks in scan order.
-        session.execute(
-            select(Blob.sha256)
-            .where(Blob.sha256.in_(chunk))
-            .order_by(Blob.sha256)
-            .with_for_update()
+        rows = session.scalars(
+            select(Blob).where(Blob.sha256.in_(chunk)).order_by(Blob.sha256).with_for_update()
         )
+        found.update((row.sha256, row) for row in rows)
+    return found
+
+
+def mark_verified(session: Session, *, sizes: Mapping[str, int], at: datetime) -> None:
+    """Record that these blobs were read back with these sizes and matching SHA-256s: any
+    damage found before is gone (they were written again)."""
+    lock_blobs(session, shas=sizes)
+    ordered = sorted(sizes)
+    for start in range(0, len(ordered), _BATCH):
         session.execute(
             update(Blob),
-            [{"sha256": sha, "size": sizes[sha], "verified_at": at} for sha in chunk],
+            [
+                {
+                    "sha256": sha,
+                    "size": sizes[sha],
+                    "verified_at": at,
+                    "damaged_at": None,
+                    "damage": None,
+                }
+                for sha in ordered[start : start + _BATCH]
+            ],
         )
+
+
+def mark_damaged(session: Session, *, damage: Mapping[str, str], at: datetime) -> None:
+    """Record that these blobs were found absent or damaged (``damage``: the problem): they
+    are not verified any more. The caller holds their row locks."""
+    ordered = sorted(damage)
+    for start in range(0, len(ordered), _BATCH):
+        session.execute(
+            update(Blob),
+            [
+                {"sha256": sha, "damaged_at": at, "damage": damage[sha], "verified_at": None}
+                for sha in ordered[start : start + _BATCH]
+            ],
+        )
+
+
+def complete_users(session: Session, *, shas: Collection[str]) -> list[tuple[Bundle, str]]:
+    """Each complete bundle, of any run, that references one of these blobs, with the blob;
+    the bundles locked for update, in id order."""
+    pairs: set[tuple[int, str]] = set()
+    for chunk in _chunks(sorted(shas)):
+        rows = session.execute(
+            select(Layer.bundle_id, LayerBlob.blob_sha256)
+            .join(LayerBlob, LayerBlob.layer_id == Layer.id)
+            .where(LayerBlob.blob_sha256.in_(chunk))
+            .distinct()
+        )
+        pairs.update((bundle_id, sha) for bundle_id, sha in rows)
+    bundles: dict[int, Bundle] = {}
+    for ids in _chunks(sorted({bundle_id for bundle_id, _ in pairs})):
+        found = session.scalars(
+            select(Bundle)
+            .where(Bundle.id.in_(ids), Bundle.status == BundleStatus.COMPLETE)
+            .order_by(Bundle.id)
+            .with_for_update()
+        )
+        bundles.update((bundle.id, bundle) for bundle in found)
+    return [(bundles[i], sha) for i, sha in sorted(pairs) if i in bundles]
+
+
+def _chunks(values: list[T]) -> list[list[T]]:
+    """``values`` in statements of at most ``_BATCH`` parameters each."""
+    return [values[start : start + _BATCH] for start in range(0, len(values), _BATCH)]
+
+
+def referenced_by_runs(
+    session: Session, *, run_ids: Collection[int], shas: Collection[str], statuses: Collection[str]
+) -> set[str]:
+    """Those of these blobs that a layer of a bundle of these runs, in these statuses,
+    references."""
+    found: set[str] = set()
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        found.update(
+            session.scalars(
+                select(LayerBlob.blob_sha256)
+                .join(Layer, Layer.id == LayerBlob.layer_id)
+                .join(Bundle, Bundle.id == Layer.bundle_id)
+                .where(
+                    LayerBlob.blob_sha256.in_(ordered[start : start + _BATCH]),
+                    Bundle.run_id.in_(sorted(run_ids)),
+                    Bundle.status.in_(statuses),
+                )
+                .distinct()
+            )
+        )
+    return found
 
 
 def add_bundle(session: Session, **values: object) -> Bundle:

@@ -5,11 +5,12 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckpt.core.contract import BlobRef, LayerRecord, Manifest, Versions
+from ckpt.core.contract import SHA256_HEX, BlobRef, LayerRecord, Manifest, Versions
 from ckpt.service.completeness import Missing, Part
-from ckpt.service.names import MAX_ID, Id, Step
+from ckpt.service.names import MAX_ID, Id, Reason, Step
 
 Epoch = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
+Sha256 = Annotated[str, Field(pattern=SHA256_HEX, description="a blob's SHA-256, in hex")]
 
 
 class _Request(BaseModel):
@@ -34,8 +35,18 @@ class Commit(_Request):
     epoch: Epoch
 
 
+# The work of a query grows with its blobs (a store lookup each): ask in pages of this many.
+MAX_BLOBS_PER_QUERY = 10_000
+
+
 class BlobsQuery(_Request):
-    blobs: Annotated[list[BlobRef], Field(max_length=100_000)]
+    blobs: Annotated[
+        list[BlobRef],
+        Field(
+            max_length=MAX_BLOBS_PER_QUERY,
+            description=f"at most {MAX_BLOBS_PER_QUERY} blobs a request",
+        ),
+    ]
 
 
 class BlobsMissing(BaseModel):
@@ -43,7 +54,29 @@ class BlobsMissing(BaseModel):
 
 
 class Quarantine(_Request):
-    reason: Annotated[str, Field(min_length=1, max_length=2000, pattern=r"^[^\x00]*$")]
+    reason: Reason
+    epoch: Epoch | None = Field(
+        default=None,
+        description="the epoch of the caller's attempt: required from a run token (fencing)",
+    )
+    blob: Sha256 | None = Field(
+        default=None,
+        description="the blob that failed verification: the service reads it back and "
+        "quarantines every complete bundle using it if it is damaged (409 intact if not); "
+        "required from a run token, optional for an admin (without it: this bundle only)",
+    )
+
+
+class Unquarantine(_Request):
+    reason: Reason | None = None
+
+
+class IntactBody(BaseModel):
+    """The body of a 409 ``intact`` quarantine: the store's copy of the blob is whole."""
+
+    error: str = "intact"
+    message: str
+    blob: str
 
 
 class BundlePatch(_Request):

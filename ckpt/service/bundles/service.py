@@ -1,18 +1,18 @@
 """Bundles: open one, record its layers, say which blobs the store lacks, take each rank's
-save figures, pin, quarantine, and read bundles back. Committing a bundle is ``commit.py``'s
-job; who may write to one is ``fencing.py``'s.
+save figures, pin, and read bundles back. Committing a bundle is ``commit.py``'s job;
+quarantining one ``quarantine.py``'s; who may write to one is ``fencing.py``'s.
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Collection
 
 from sqlalchemy.orm import Session
 
 from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
 from ckpt.service import completeness, models
 from ckpt.service.auth.service import Principal, require_read, require_write, require_writer
-from ckpt.service.bundles import repository
+from ckpt.service.bundles import isolation, repository
 from ckpt.service.bundles.blobs import stored_sizes
 from ckpt.service.bundles.fencing import check_epoch, for_write
 from ckpt.service.bundles.schemas import (
@@ -22,18 +22,17 @@ from ckpt.service.bundles.schemas import (
     BundleOut,
     BundlePatch,
     LayerPut,
-    Quarantine,
     RecordedLayer,
     SaveOut,
 )
 from ckpt.service.context import Context
 from ckpt.service.errors import ConflictError, InvalidRequestError, NotFoundError
+from ckpt.service.events import service as events
+from ckpt.service.events.schemas import Action
 from ckpt.service.metrics import Metrics
 from ckpt.service.models import Attempt, Bundle, BundleStatus, Run
 from ckpt.service.runs import repository as runs_repository
 from ckpt.service.sql import Lock
-
-log = logging.getLogger("ckpt.service")
 
 
 def open_bundle(
@@ -56,7 +55,7 @@ def open_bundle(
                 statuses=(BundleStatus.PENDING, BundleStatus.COMPLETE),
                 below_step=request.step,
             )
-            repository.insert_bundle(
+            inserted = repository.insert_bundle(
                 session,
                 run_id=run.id,
                 attempt_id=attempt.id,
@@ -67,6 +66,8 @@ def open_bundle(
             )
             found = repository.find_bundle(session, attempt_id=attempt.id, step=request.step)
             assert found is not None
+            if inserted:
+                events.record(session, found, actor=principal.actor, action=Action.OPENED)
         if found.world_size != request.world_size:
             raise ConflictError(
                 f"bundle {found.id} (step {found.step}) was opened with world size "
@@ -111,18 +112,35 @@ def record_layer(
 
 
 def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> BlobsMissing:
-    """Which of these blobs the store does not hold (with the given size).
+    """Which of these blobs the store does not hold (with the given size), or holds but
+    found damaged since; for a run token also every blob its run's dedup group has not
+    committed (run isolation: ``isolation.py``), whether the store holds it or not.
 
     Those it holds are claimed: garbage collection leaves them alone for its grace period,
     so the caller may skip uploading them and record them later.
     """
     require_writer(principal)
     sizes = {blob.sha256: blob.size for blob in query.blobs}
-    found = stored_sizes(context.store, sizes)
-    held = {sha: size for sha, size in sizes.items() if found[sha] == size}
+    with context.transaction() as session:
+        candidates = _candidates(session, principal, shas=sizes)
+    found = stored_sizes(context.store, candidates)
+    held = {sha: sizes[sha] for sha in candidates if found[sha] == sizes[sha]}
     with context.transaction() as session:
         repository.claim_blobs(session, sizes=held)
     return BlobsMissing(missing=sorted(set(sizes) - set(held)))
+
+
+def _candidates(session: Session, principal: Principal, *, shas: Collection[str]) -> list[str]:
+    """The blobs that may count as held, if the store holds them: not found damaged, and
+    for a run token committed by its dedup group."""
+    known = repository.blobs_by_sha(session, shas=shas)
+    healthy = [sha for sha in shas if sha not in known or known[sha].damaged_at is None]
+    if not isolation.limited(principal):
+        return healthy
+    assert principal.run is not None
+    run = runs_repository.get_run(session, name=principal.run)
+    owned = isolation.owned(session, run, shas=healthy) if run is not None else set()
+    return [sha for sha in healthy if sha in owned]
 
 
 def get_bundle(context: Context, principal: Principal, *, bundle_id: int) -> BundleOut:
@@ -145,25 +163,10 @@ def patch_bundle(
             raise NotFoundError(f"no bundle with id {bundle_id}")
         run = runs_repository.get_run_by_id(session, run_id=bundle.run_id)
         require_write(principal, run.name)
-        bundle.pinned = patch.pinned
-        return bundle_out(session, bundle, run)
-
-
-def quarantine(
-    context: Context, principal: Principal, *, bundle_id: int, request: Quarantine
-) -> BundleOut:
-    """Set aside a complete bundle whose stored bytes failed verification: it is never
-    resumable again, and the run resumes from the complete bundle before it."""
-    with context.transaction() as session:
-        bundle, run, _ = for_write(session, principal, bundle_id, lock=Lock.UPDATE)
-        if bundle.status not in (BundleStatus.COMPLETE, BundleStatus.QUARANTINED):
-            raise ConflictError(
-                f"bundle {bundle.id} is {bundle.status}; only a complete bundle is quarantined"
-            )
-        if bundle.status == BundleStatus.COMPLETE:
-            bundle.status = BundleStatus.QUARANTINED
-            bundle.reason = request.reason
-            log.error("run %s: bundle %d quarantined: %s", run.name, bundle.id, request.reason)
+        if bundle.pinned != patch.pinned:
+            bundle.pinned = patch.pinned
+            action = Action.PINNED if patch.pinned else Action.UNPINNED
+            events.record(session, bundle, actor=principal.actor, action=action)
         return bundle_out(session, bundle, run)
 
 

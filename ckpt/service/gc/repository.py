@@ -3,50 +3,48 @@ from __future__ import annotations
 from collections.abc import Collection
 from datetime import datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ckpt.service.models import LIVE_STATUSES, Blob, Bundle, BundleStatus, Layer, LayerBlob, Run
 from ckpt.service.sql import insert
 
 
-def expire_pending(session: Session, *, older_than: datetime, dry_run: bool) -> list[int]:
-    """Pending bundles opened before ``older_than``: marked failed (unless ``dry_run``)."""
-    ids = list(
-        session.scalars(
-            select(Bundle.id).where(
-                Bundle.status == BundleStatus.PENDING, Bundle.created_at < older_than
-            )
-        )
+def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list[Bundle]:
+    """Pending bundles opened before ``older_than``, by id (``lock``: locked for update;
+    those another transaction holds are left for the next pass)."""
+    query = (
+        select(Bundle)
+        .where(Bundle.status == BundleStatus.PENDING, Bundle.created_at < older_than)
+        .order_by(Bundle.id)
     )
-    if ids and not dry_run:
-        session.execute(
-            update(Bundle)
-            .where(Bundle.id.in_(ids), Bundle.status == BundleStatus.PENDING)
-            .values(status=BundleStatus.FAILED, reason="still pending after the TTL")
-        )
-    return ids
+    if lock:
+        query = query.with_for_update(skip_locked=True)
+    return list(session.scalars(query))
 
 
 def run_names(session: Session) -> list[str]:
     return list(session.scalars(select(Run.name).order_by(Run.name)))
 
 
-def complete_bundles(session: Session, *, run_id: int) -> list[Bundle]:
+# Bundles whose blobs garbage collection keeps: the live ones, and quarantined ones (an
+# admin may lift the quarantine; retention deletes them like complete ones).
+KEPT_STATUSES = (*LIVE_STATUSES, BundleStatus.QUARANTINED)
+
+
+def bundles_in(session: Session, *, run_id: int, status: str) -> list[Bundle]:
     return list(
-        session.scalars(
-            select(Bundle).where(Bundle.run_id == run_id, Bundle.status == BundleStatus.COMPLETE)
-        )
+        session.scalars(select(Bundle).where(Bundle.run_id == run_id, Bundle.status == status))
     )
 
 
 def live_references(session: Session, *, shas: Collection[str] | None = None) -> set[str]:
-    """Blobs referenced by a pending or complete bundle (of these, when given)."""
+    """Blobs referenced by a pending, complete or quarantined bundle (of these, when given)."""
     query = (
         select(LayerBlob.blob_sha256)
         .join(Layer, Layer.id == LayerBlob.layer_id)
         .join(Bundle, Bundle.id == Layer.bundle_id)
-        .where(Bundle.status.in_(LIVE_STATUSES))
+        .where(Bundle.status.in_(KEPT_STATUSES))
         .distinct()
     )
     if shas is not None:
@@ -86,12 +84,12 @@ def delete_blob_rows(session: Session, *, shas: Collection[str]) -> None:
 
 
 def orphan_blob_rows(session: Session, *, claimed_before: datetime) -> list[Blob]:
-    """Catalog blobs no live bundle references whose grace period is over."""
+    """Catalog blobs no kept bundle references whose grace period is over."""
     live = (
         select(LayerBlob.blob_sha256)
         .join(Layer, Layer.id == LayerBlob.layer_id)
         .join(Bundle, Bundle.id == Layer.bundle_id)
-        .where(Bundle.status.in_(LIVE_STATUSES))
+        .where(Bundle.status.in_(KEPT_STATUSES))
     )
     return list(
         session.scalars(

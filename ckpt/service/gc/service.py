@@ -3,24 +3,27 @@
 1. *Expire*: pending bundles older than the TTL fail.
 2. *Retain*: per run, complete bundles outside its policy (keep the last N, every K-th
    step, pinned ones, the head, what the run resumes from, always the newest) are deleted:
-   their manifest leaves the store, their rows stay for lineage.
-3. *Mark and sweep*: blobs that no pending or complete bundle references and whose grace
-   period is over (since written, and since last recorded or reported present) are deleted
-   from the store. Each is re-checked under its row lock just before it goes; recording a
+   their manifest leaves the store, their rows stay for lineage. Quarantined bundles are
+   kept by the same policy, applied to them apart.
+3. *Mark and sweep*: blobs that no pending, complete or quarantined bundle references (a
+   quarantine may be lifted) and whose grace period is over (since written, and since last
+   recorded or reported present) are deleted from the store. Each is re-checked under its row lock just before it goes; recording a
    layer takes the same lock, so a blob that a save starts to use is never swept from under
    it, and a commit verifies presence after recording, so it can never complete a bundle
    with a blob that was swept.
+
+One pass runs at a time across replicas (``maintenance``), recorded in
+``maintenance_pass``; each bundle a pass fails or deletes gets an audit event (actor
+``gc``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel
-from sqlalchemy import text
+from sqlalchemy.orm import Session
 
 from ckpt.core.contract import Manifest
 from ckpt.core.errors import StoreError
@@ -28,7 +31,10 @@ from ckpt.core.storage import StoredObject, keys
 from ckpt.service import retention
 from ckpt.service.context import Context
 from ckpt.service.errors import StoreUnavailableError
+from ckpt.service.events import service as events
+from ckpt.service.events.schemas import Action, System
 from ckpt.service.gc import repository
+from ckpt.service.maintenance.service import Task, exclusive
 from ckpt.service.models import Bundle, BundleStatus, utcnow
 from ckpt.service.runs import repository as runs_repository
 from ckpt.service.runs.service import resumable_bundle
@@ -38,7 +44,6 @@ log = logging.getLogger("ckpt.gc")
 
 _BLOB_PREFIX = "blobs/sha256/"
 _BATCH = 200
-_LOCK_KEY = 0x636B7067  # "ckpg": one collector at a time across replicas
 
 
 class GcReport(BaseModel):
@@ -55,22 +60,17 @@ def collect(context: Context, *, dry_run: bool = False, now: datetime | None = N
     """One full pass of expire, retain and sweep."""
     now = now or utcnow()
     report = GcReport(dry_run=dry_run)
-    with _exclusive(context) as acquired:
-        if not acquired:
+    with exclusive(context, Task.GC) as current:
+        if current is None:
             report.skipped = True
             return report
-        settings = context.settings
-        with context.transaction() as session:
-            report.failed_bundles = repository.expire_pending(
-                session,
-                older_than=now - timedelta(seconds=settings.pending_ttl_seconds),
-                dry_run=dry_run,
-            )
+        report.failed_bundles = _expire(context, now=now, dry_run=dry_run)
         with context.transaction() as session:
             names = repository.run_names(session)
         for name in names:
             report.deleted_bundles += _retain(context, name, dry_run=dry_run)
         _sweep(context, report, now=now)
+        current.outcome = report.model_dump_json()
     m = context.metrics
     if not dry_run:
         m.gc_deleted_blobs.inc(report.deleted_blobs)
@@ -80,34 +80,60 @@ def collect(context: Context, *, dry_run: bool = False, now: datetime | None = N
     return report
 
 
+def _expire(context: Context, *, now: datetime, dry_run: bool) -> list[int]:
+    """Fail the bundles still pending after the TTL; their ids."""
+    ttl = timedelta(seconds=context.settings.pending_ttl_seconds)
+    with context.transaction() as session:
+        stale = repository.stale_pending(session, older_than=now - ttl, lock=not dry_run)
+        if not dry_run:
+            for bundle in stale:
+                bundle.status = BundleStatus.FAILED
+                bundle.reason = "still pending after the TTL"
+                events.record(
+                    session, bundle, actor=System.GC, action=Action.FAILED, reason=bundle.reason
+                )
+        return [bundle.id for bundle in stale]
+
+
 def _retain(context: Context, name: str, *, dry_run: bool) -> list[int]:
+    """Delete the run's complete bundles its policy lets go, and its quarantined ones the
+    same policy, applied to them apart, lets go."""
     settings = context.settings
     with context.transaction() as session:
         run = runs_repository.get_run(session, name=name, lock=Lock.UPDATE)
         assert run is not None
         keep_last = run.keep_last or settings.keep_last
         keep_every = run.keep_every or settings.keep_every
-        complete = repository.complete_bundles(session, run_id=run.id)
         start = resumable_bundle(session, run)
         protected = {i for i in (run.head_bundle_id, start.id if start else None) if i}
-        doomed = retention.to_delete(
-            [
-                retention.Kept(b.id, b.step, b.committed_at or b.created_at, b.pinned)
-                for b in complete
-            ],
-            keep_last=keep_last,
-            keep_every=keep_every,
-            protected=protected,
-        )
-        if dry_run:
-            return doomed
-        by_id = {b.id: b for b in complete}
-        for bundle_id in doomed:
-            bundle = by_id[bundle_id]
-            bundle.status = BundleStatus.DELETED
-            bundle.reason = f"retention (keep_last={keep_last}, keep_every={keep_every})"
-            _delete_manifest(context, name, bundle)
-        return doomed
+        doomed: list[Bundle] = []
+        for status in (BundleStatus.COMPLETE, BundleStatus.QUARANTINED):
+            bundles = repository.bundles_in(session, run_id=run.id, status=status)
+            by_id = {b.id: b for b in bundles}
+            doomed += [
+                by_id[bundle_id]
+                for bundle_id in retention.to_delete(
+                    [
+                        retention.Kept(b.id, b.step, b.committed_at or b.created_at, b.pinned)
+                        for b in bundles
+                    ],
+                    keep_last=keep_last,
+                    keep_every=keep_every,
+                    protected=protected,
+                )
+            ]
+        if not dry_run:
+            reason = f"retention (keep_last={keep_last}, keep_every={keep_every})"
+            for bundle in doomed:
+                _delete(context, session, name, bundle, reason=reason)
+        return [bundle.id for bundle in doomed]
+
+
+def _delete(context: Context, session: Session, run: str, bundle: Bundle, *, reason: str) -> None:
+    bundle.status = BundleStatus.DELETED
+    bundle.reason = reason
+    events.record(session, bundle, actor=System.GC, action=Action.DELETED, reason=reason)
+    _delete_manifest(context, run, bundle)
 
 
 def _delete_manifest(context: Context, run: str, bundle: Bundle) -> None:
@@ -188,22 +214,3 @@ def _sha(obj: StoredObject) -> str:
 
 def _at(timestamp: float) -> datetime:
     return datetime.fromtimestamp(timestamp, UTC)
-
-
-@contextmanager
-def _exclusive(context: Context) -> Iterator[bool]:
-    """Hold the collector's lock: a Postgres advisory lock (SQLite has one process)."""
-    if context.engine.dialect.name != "postgresql":
-        yield True
-        return
-    with context.engine.connect() as connection:
-        acquired = bool(
-            connection.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": _LOCK_KEY}).scalar()
-        )
-        connection.commit()
-        try:
-            yield acquired
-        finally:
-            if acquired:
-                connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _LOCK_KEY})
-                connection.commit()

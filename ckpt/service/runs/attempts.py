@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from ckpt.service import lineage
 from ckpt.service.auth.service import Principal, require_write
 from ckpt.service.context import Context
-from ckpt.service.errors import ConflictError, FencedError, NotFoundError
+from ckpt.service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
 from ckpt.service.metrics import Metrics
 from ckpt.service.models import Attempt, Bundle, EndReason, Run, utcnow
 from ckpt.service.runs import repository
@@ -69,6 +69,8 @@ def heartbeat(
                 f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
                 f"epoch {run.epoch}; stop writing and exit"
             )
+        if beat.step is not None:
+            _check_advance(session, attempt, beat.step, limit=context.settings.max_step_advance)
         attempt.heartbeat_at = utcnow()
         if beat.step is not None:
             attempt.last_step = beat.step
@@ -90,6 +92,8 @@ def end_attempt(
             if attempt.end_reason == end.reason:
                 return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
             raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
+        if end.step is not None:
+            _check_advance(session, attempt, end.step, limit=context.settings.max_step_advance)
         before = _steps_lost(session, attempt)
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
@@ -136,6 +140,20 @@ def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[A
     attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
     assert attempt is not None
     return attempt, run
+
+
+def _check_advance(session: Session, attempt: Attempt, step: int, *, limit: int) -> None:
+    """A reported step at most ``limit`` ahead of what the attempt is known to have reached:
+    its last reported step, else the step it resumed from, else 0. Steps feed counters
+    (steps lost), so a typo or a hostile client must not inflate them."""
+    resumed = session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None
+    known = max(attempt.last_step or 0, resumed.step if resumed else 0)
+    if step > known + limit:
+        raise InvalidRequestError(
+            f"step {step} is more than {limit} steps (CKPT_MAX_STEP_ADVANCE) ahead of step "
+            f"{known}, the last this attempt reported or resumed from: report the step "
+            "training has reached, at least every CKPT_MAX_STEP_ADVANCE steps"
+        )
 
 
 def _steps_lost(session: Session, attempt: Attempt) -> int | None:

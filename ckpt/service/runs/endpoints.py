@@ -15,12 +15,12 @@ from ckpt.service.runs.schemas import (
     Heartbeat,
     Lineage,
     ResumePoint,
-    RetentionPatch,
     RollbackOut,
     RollbackRequest,
     RunCreate,
     RunOut,
     RunPage,
+    RunPatch,
 )
 
 router = APIRouter(prefix="/v1", tags=["runs"])
@@ -55,10 +55,10 @@ def get_run(run: RunPath, principal: PrincipalDep, context: ContextDep) -> RunOu
 
 @router.patch("/runs/{run}")
 def patch_run(
-    run: RunPath, patch: RetentionPatch, principal: PrincipalDep, context: ContextDep
+    run: RunPath, patch: RunPatch, principal: PrincipalDep, context: ContextDep
 ) -> RunOut:
-    """Change the run's retention policy."""
-    return service.patch_retention(context, principal, name=run, patch=patch)
+    """Change the run's retention policy, or (admin only) its dedup group."""
+    return service.patch_run(context, principal, name=run, patch=patch)
 
 
 @router.post("/runs/{run}/attempts", status_code=201)

@@ -165,3 +165,10 @@ def run_rollbacks(session: Session, *, run_id: int) -> list[Rollback]:
     return list(
         session.scalars(select(Rollback).where(Rollback.run_id == run_id).order_by(Rollback.id))
     )
+
+
+def group_run_ids(session: Session, *, run: Run) -> list[int]:
+    """The run and every run in its dedup group (the run alone without one)."""
+    if run.dedup_group is None:
+        return [run.id]
+    return list(session.scalars(select(Run.id).where(Run.dedup_group == run.dedup_group)))

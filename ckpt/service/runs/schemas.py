@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ckpt.core.contract import Manifest
-from ckpt.service.names import PRINTABLE, Id, RunName, Step
+from ckpt.service.names import PRINTABLE, Id, Label, RunName, Step
 
 Count = Annotated[int, Field(ge=1, le=1_000_000)]
 Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=PRINTABLE)]
@@ -24,11 +24,17 @@ class RunCreate(_Request):
     keep_every: Count | None = None
 
 
-class RetentionPatch(_Request):
-    """The run's retention policy; a field left out is unchanged, ``null`` clears it."""
+class RunPatch(_Request):
+    """The run's retention policy and dedup group; a field left out is unchanged, ``null``
+    clears it."""
 
     keep_last: Count | None = None
     keep_every: Count | None = None
+    dedup_group: Label | None = Field(
+        default=None,
+        description="admin only: runs of one group may use each other's blobs without "
+        "writing them; null: the run alone",
+    )
 
 
 class BundleRef(BaseModel):
@@ -45,6 +51,7 @@ class RunOut(BaseModel):
     resumable: BundleRef | None
     keep_last: int | None
     keep_every: int | None
+    dedup_group: str | None
     num_bundles: dict[str, int]
     steps_lost_total: int = Field(
         description="the sum of the attempts' steps_lost: steps trained again after endings"

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from ckpt.core.contract import Manifest
 from ckpt.service import lineage
-from ckpt.service.auth.service import Principal, require_read, require_write
+from ckpt.service.auth.service import Principal, require_admin, require_read, require_write
 from ckpt.service.context import Context
 from ckpt.service.errors import ConflictError, NotFoundError
 from ckpt.service.lineage import AttemptNode, Node
@@ -24,13 +24,13 @@ from ckpt.service.runs.schemas import (
     LineageBundle,
     ResumeEdge,
     ResumePoint,
-    RetentionPatch,
     RollbackEvent,
     RollbackOut,
     RollbackRequest,
     RunCreate,
     RunOut,
     RunPage,
+    RunPatch,
 )
 from ckpt.service.sql import Lock
 
@@ -69,10 +69,11 @@ def list_runs(
         return RunPage(runs=page, next=page[-1].name if len(runs) > limit else None)
 
 
-def patch_retention(
-    context: Context, principal: Principal, *, name: str, patch: RetentionPatch
-) -> RunOut:
+def patch_run(context: Context, principal: Principal, *, name: str, patch: RunPatch) -> RunOut:
+    """Change the run's retention policy, or (an admin) its dedup group."""
     require_write(principal, name)
+    if "dedup_group" in patch.model_fields_set:
+        require_admin(principal)
     with context.transaction() as session:
         run = _run(session, name, lock=Lock.UPDATE)
         for field in patch.model_fields_set:
@@ -196,6 +197,7 @@ def run_out(session: Session, run: Run) -> RunOut:
         resumable=_ref(start) if start else None,
         keep_last=run.keep_last,
         keep_every=run.keep_every,
+        dedup_group=run.dedup_group,
         num_bundles=repository.count_bundles(session, run_id=run.id),
         steps_lost_total=sum(
             lost

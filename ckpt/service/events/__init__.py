@@ -1,0 +1,1 @@
+"""The audit log of bundles: every change of a bundle's state (who, what, when, why)."""

@@ -1,0 +1,1 @@
+"""The scrubber: keeps "resumable" true after commit by re-reading stored blobs."""
