@@ -99,7 +99,7 @@ class Attempt:
                 return
             self._ended = True
         self._stopping.set()
-        if self.registration is not None:
+        if self.registration is not None and self._ranks.rank == 0:  # one end per attempt
             self._control.end(
                 self.registration.attempt_id,
                 reason=reason,
@@ -119,7 +119,10 @@ class Attempt:
                 continue
             try:
                 self._control.heartbeat(
-                    registration.attempt_id, step=self._step(), patience=self._heartbeat_seconds
+                    registration.attempt_id,
+                    step=self._step(),
+                    rank=self._ranks.rank,
+                    patience=self._heartbeat_seconds,
                 )
             except FencedError as err:
                 log.error("run %s: %s; heartbeats stop", self._run, err)

@@ -76,11 +76,17 @@ def stable_memory(objects: TrainingObjects) -> set[int]:
     optimizers (the parameters and their state) and batch norm (its running statistics),
     so everything else is copied and hashed at every save."""
     return {
-        param.untyped_storage().data_ptr()
+        _local(param).untyped_storage().data_ptr()
         for model in objects.models.values()
         for param in model.parameters()
         if not param.requires_grad
     }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
 
 
 def live_tensors(objects: TrainingObjects, layer: Layer) -> dict[str, torch.Tensor]:

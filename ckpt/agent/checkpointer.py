@@ -24,27 +24,22 @@ import torch
 from torch import nn
 
 from ckpt.agent import capture
-from ckpt.agent.catalog.base import Catalog
-from ckpt.agent.catalog.control_plane import ControlPlaneCatalog
-from ckpt.agent.catalog.store import StoreCatalog
-from ckpt.agent.client import ControlPlane
+from ckpt.agent.catalog import open_catalog
 from ckpt.agent.config import Config, InFlight
 from ckpt.agent.counters import Counters
 from ckpt.agent.epochs import Epochs
 from ckpt.agent.manifests import bundle_name
-from ckpt.agent.objects import Generator, gather
+from ckpt.agent.objects import Generator, gather, replicated_layers
 from ckpt.agent.persist import PendingSave, Persister, SaveResult
 from ckpt.agent.policy import Position, SavePolicy
 from ckpt.agent.preemption import Preemption
-from ckpt.agent.ranks import MEET_SECONDS, Ranks, SingleProcess
+from ckpt.agent.ranks import MEET_SECONDS, Ranks, job_ranks
 from ckpt.agent.restore import Restorer, ResumeResult
 from ckpt.agent.staging import StagingArea
 from ckpt.agent.stateful import Stateful
 from ckpt.agent.summary import announce
 from ckpt.core.contract import RESTORE_ORDER, Layer
-from ckpt.core.errors import BundleExistsError
 from ckpt.core.storage import ObjectStore, open_store
-from ckpt.core.tokens import default_token
 
 __all__ = ["Checkpointer"]
 
@@ -71,8 +66,8 @@ class Checkpointer:
         generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
             objects to capture with the global RNGs.
         store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
-            skip_unchanged, grace_seconds, handle_signals, heartbeat_seconds, quiet: see
-            ``Config``. ``store`` may also be an ``ObjectStore``.
+            skip_unchanged, grace_seconds, handle_signals, heartbeat_seconds, quiet,
+            rank_timeout_seconds: see ``Config``. ``store`` may also be an ``ObjectStore``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
@@ -104,6 +99,7 @@ class Checkpointer:
         handle_signals: bool | None = None,
         heartbeat_seconds: float | None = None,
         quiet: bool | None = None,
+        rank_timeout_seconds: float | None = None,
     ) -> None:
         store_url = store if store is None or isinstance(store, str) else store.url
         self.config = Config.resolve(
@@ -121,6 +117,7 @@ class Checkpointer:
                 "handle_signals": handle_signals,
                 "heartbeat_seconds": heartbeat_seconds,
                 "quiet": quiet,
+                "rank_timeout_seconds": rank_timeout_seconds,
             }
         )
         self.store: ObjectStore = (
@@ -138,19 +135,17 @@ class Checkpointer:
         self.policy = SavePolicy(
             every_steps=self.config.every_steps, every_seconds=self.config.every_seconds
         )
-        self.ranks: Ranks = SingleProcess()
+        self.ranks: Ranks = job_ranks(timeout=self.config.rank_timeout_seconds)
         self._wire()
 
     def _wire(self) -> None:
         """Connect the phases: catalog, restore, persist, preemption."""
         config = self.config
-        self._catalog = self._open_catalog()
+        self._catalog = open_catalog(
+            config, store=self.store, ranks=self.ranks, step=lambda: self.counters.step
+        )
         self._restorer = Restorer(
-            store=self.store,
-            catalog=self._catalog,
-            objects=self.objects,
-            rank=self.rank,
-            world_size=self.world_size,
+            store=self.store, catalog=self._catalog, objects=self.objects, ranks=self.ranks
         )
         self._staging = StagingArea()
         self._persister = Persister(
@@ -158,11 +153,13 @@ class Checkpointer:
             store=self.store,
             catalog=self._catalog,
             blob_bytes=config.blob_bytes,
-            rank=self.rank,
+            ranks=self.ranks,
+            replicated=replicated_layers(self.objects, world_size=self.world_size),
             quiet=config.quiet,
         )
         self._preemption = Preemption(
             run=config.run,
+            ranks=self.ranks,
             grace_seconds=config.grace_seconds,
             persister=self._persister,
             save=self.save,
@@ -173,20 +170,6 @@ class Checkpointer:
         self._last_saved: Position | None = None
         self._last_save_time = time.monotonic()
         self._epochs = Epochs(self.objects.data, self.counters)
-
-    def _open_catalog(self) -> Catalog:
-        config = self.config
-        if not config.server:
-            return StoreCatalog(self.store, run=config.run, ranks=self.ranks)
-        control = ControlPlane(config.server, token=config.token or default_token())
-        return ControlPlaneCatalog(
-            control,
-            run=config.run,
-            heartbeat_seconds=config.heartbeat_seconds,
-            step=lambda: self.counters.step,
-            ranks=self.ranks,
-            store_url=self.store.url,
-        )
 
     @property
     def counters(self) -> Counters:
@@ -291,31 +274,23 @@ class Checkpointer:
         period (else keeps the last bundle), ends the attempt as preempted, and raises
         ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
-        if self._preemption.requested:
-            self._preemption.act()
         seconds = time.monotonic() - self._last_save_time
-        if not self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds):
+        due = self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds)
+        # Every rank decides alike: a signal that reached one rank, a save due by one
+        # rank's clock, stop or save all of them at this same boundary.
+        stop, due = self.ranks.any_rank(self._preemption.requested, due, timeout=MEET_SECONDS)
+        if stop:
+            self._preemption.act()
+        if not due:
             return None
-        if not self._persister.settle(block=False) and not self._wait_for_in_flight():
+        ready = self._persister.ready(
+            skip=self.config.in_flight is InFlight.SKIP,
+            unreachable=self._catalog.unreachable,
+            due_at=self._position(),
+        )
+        if not self.ranks.all_ok(ready, timeout=MEET_SECONDS):
             return None
         return self.save()
-
-    def _wait_for_in_flight(self) -> bool:
-        """Wait for the save in flight before a due one, unless configured to skip, or the
-        control plane is (or becomes) unreachable: that save is retrying, and training does
-        not wait on the control plane. Whether the due save may go ahead."""
-        if self.config.in_flight is InFlight.SKIP:
-            log.info("run %s: a save is still in flight; skipping this one", self.config.run)
-            return False
-        if self._persister.wait_unless(self._catalog.unreachable):
-            return True
-        log.warning(
-            "run %s: the control plane is unreachable and the save before is retrying; "
-            "skipping the save due at %s",
-            self.config.run,
-            self._position(),
-        )
-        return False
 
     def save(self) -> PendingSave:
         """Stage a bundle of the current state and persist it in the background.
@@ -346,8 +321,13 @@ class Checkpointer:
         if position == self._persister.durable_at:
             log.info("run %s: %s is saved already; nothing to save", self.config.run, position)
             return self._persister.already_durable()
-        step = self.ranks.agree(position.step, what="the step of a save", timeout=MEET_SECONDS)
-        self._check_one_bundle_per_step(position)
+        counters = self.counters
+        step, *_ = self.ranks.agree(
+            (position.step, position.micro_step, counters.epoch, counters.batch),
+            what="the position of a save (step, micro step, epoch, batch)",
+            timeout=MEET_SECONDS,
+        )
+        self._persister.check_one_bundle_per_step(position)
         self._catalog.check_step(step)
         states, staged = capture.stage(
             self.objects, self._staging, skip_unchanged=self.config.skip_unchanged
@@ -357,17 +337,6 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         stall = time.perf_counter() - started
         return self._persister.submit(states, staged, step=step, stall=stall, position=position)
-
-    def _check_one_bundle_per_step(self, position: Position) -> None:
-        """A run keeps one bundle per step from each attempt: a second save at another micro
-        step of a step saved already is refused, loudly, rather than dropped or replacing it."""
-        saved = self._persister.saved.get(position.step)
-        if saved is not None:
-            raise BundleExistsError(
-                f"run {self.config.run}: this process saved {saved} already; a run keeps one "
-                f"bundle per step from each attempt, so {position} is not saved. Save again at "
-                "a later step"
-            )
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight (if any) is durable.

@@ -150,9 +150,12 @@ class ControlPlane:
         body = {"reason": _printable(reason)[:2000] or "failed verification", "blob": blob}
         self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", body | {"epoch": epoch})
 
-    def heartbeat(self, attempt_id: int, *, step: int, patience: float) -> None:
+    def heartbeat(self, attempt_id: int, *, step: int, rank: int, patience: float) -> None:
         self._call(
-            "POST", f"/v1/attempts/{attempt_id}/heartbeat", {"step": step}, patience=patience
+            "POST",
+            f"/v1/attempts/{attempt_id}/heartbeat",
+            {"step": step, "rank": rank},
+            patience=patience,
         )
 
     def end(

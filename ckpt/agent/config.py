@@ -31,6 +31,7 @@ ENV = {
     "handle_signals": "CKPT_HANDLE_SIGNALS",
     "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
     "quiet": "CKPT_QUIET",
+    "rank_timeout_seconds": "CKPT_RANK_TIMEOUT_SECONDS",
 }
 
 
@@ -67,6 +68,9 @@ class Config:
             (``CKPT_HEARTBEAT_SECONDS``, default 10).
         quiet: print no line per resume and per durable save (``CKPT_QUIET``, default
             false; see ``ckpt.agent.summary``).
+        rank_timeout_seconds: how long the ranks of a job wait for each other at a meeting
+            (the step of a save, the commit) before the save fails: a rank that died
+            (``CKPT_RANK_TIMEOUT_SECONDS``, default 300).
     """
 
     run: str
@@ -82,6 +86,7 @@ class Config:
     handle_signals: bool = True
     heartbeat_seconds: float = 10.0
     quiet: bool = False
+    rank_timeout_seconds: float = 300.0
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
@@ -91,7 +96,7 @@ class Config:
             self.every_seconds > 0 and math.isfinite(self.every_seconds)
         ):
             raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
-        for name in ("grace_seconds", "heartbeat_seconds"):
+        for name in ("grace_seconds", "heartbeat_seconds", "rank_timeout_seconds"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -129,7 +134,7 @@ def _parse(name: str, variable: str, text: str) -> object:
     try:
         if name in ("every_steps", "blob_bytes"):
             return int(text)
-        if name in ("every_seconds", "grace_seconds", "heartbeat_seconds"):
+        if name in ("every_seconds", "grace_seconds", "heartbeat_seconds", "rank_timeout_seconds"):
             return float(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a number") from None

@@ -199,6 +199,12 @@ def _check_stateful_loader(loader: DataLoader[Any]) -> None:
     _refuse_frozen_epoch(loader)
 
 
+def reshardable(source: DataSource | None) -> bool:
+    """Whether a data position saved by one world size can continue at another: no data,
+    or ckpt's sampler, which converts its position (``ResumableSampler.load_state_dict``)."""
+    return source is None or isinstance(source, SamplerLoader | SamplerItems)
+
+
 def data_source(data: object) -> DataSource:
     """The adapter for what the loop iterates.
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from ckpt.core.errors import CkptError, RankError
@@ -42,6 +43,7 @@ class TorchRanks:
             raise ValueError("TorchRanks needs torch.distributed initialized (init_process_group)")
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self._timeout = timeout
         deadline = timedelta(seconds=timeout)
         # Every rank creates both groups, in this order, at construction.
         self._groups = {
@@ -80,17 +82,30 @@ class TorchRanks:
         return value
 
     def all_ok(self, ok: bool, *, timeout: float) -> bool:
+        return all(self.gather(ok, timeout=timeout))
+
+    def any_rank(self, *flags: bool, timeout: float) -> tuple[bool, ...]:
+        values = torch.tensor([int(flag) for flag in flags])
+        try:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group())
+        except RuntimeError as err:
+            raise RankError(f"the ranks could not meet at a step boundary: {err}") from err
+        return tuple(bool(value) for value in values.tolist())
+
+    def gather(self, value: T, *, timeout: float) -> list[T]:
         values: list[object] = [None] * self.world_size
-        self._collect(values, ok, what="whether every rank succeeded")
-        return all(values)
+        self._collect(values, value, what="what each rank has")
+        return values  # type: ignore[return-value]  # each rank's T
 
     def barrier(self, *, timeout: float) -> None:
         try:
             dist.monitored_barrier(
-                group=self._group(), timeout=timedelta(seconds=timeout), wait_all_ranks=True
+                group=self._group(),
+                timeout=timedelta(seconds=min(timeout, self._timeout)),
+                wait_all_ranks=True,
             )
         except RuntimeError as err:
-            raise RankError(f"not every rank arrived within {timeout:g} s: {err}") from err
+            raise RankError(f"not every rank arrived in time: {err}") from err
 
     def _broadcast(self, box: list[object], *, what: str) -> None:
         try:

@@ -15,20 +15,35 @@ How each attempt ends decides what comes next:
   at most 60 s) while restarts remain (``--max-restarts``, default 3; 0 never restarts).
 - SIGTERM or SIGINT to the supervisor: the machine is going away. The signal is forwarded
   to the trainer alone (its data-loader workers would die of it), the trainer is not
-  restarted, and a second SIGTERM or SIGINT kills its process group (SIGKILL). During a backoff the supervisor stops at once. SIGHUP is
-  ignored.
+  restarted, and a second SIGTERM or SIGINT kills its process group (SIGKILL). During a
+  backoff the supervisor stops at once. SIGHUP is ignored.
+
+torchrun as the trainer (``torchrun ...`` or ``python -m torch.distributed.run ...``): it
+passes a SIGTERM or SIGINT on to every rank (to each rank's process group, data-loader
+workers included), waits for them (``--shutdown-timeout``, default 30 s, then SIGKILL), and
+when one rank fails it stops the others the same way: the whole group ends, and restarts,
+together. It exits 1 however its ranks ended, so the supervisor reads what torchrun printed
+last on its stderr (which it copies through): ``SignalException ... got signal: S`` -
+torchrun was stopped by signal S - stands for a trainer killed by S; the exit code of the
+rank that failed first (torchrun's "Root Cause") stands for the trainer's. So a torchrun
+whose first rank to fail was SIGKILLed or exited 143 is *preempted*, one whose rank raised
+is *crashed*, and the supervisor's exit code is that rank's (128 + S for signal S).
 
 Exit codes:
 
     0      the trainer succeeded
     N      the trainer's last exit code, when the restart budget is spent or the
-           supervisor was told to stop (128 + S when signal S killed the trainer)
+           supervisor was told to stop (128 + S when signal S killed the trainer;
+           torchrun: as read above)
     2      usage error: no command, a bad option
     126    the command cannot be executed (permission denied...)
     127    the command was not found
 
 When a trainer exits, what is left of its process group (the data loader workers of a
-killed trainer) is killed, so that the next attempt has the machine to itself.
+killed trainer) is killed, so that the next attempt has the machine to itself. On Linux the
+supervisor is also the subreaper of the trainer's descendants: processes in sessions of
+their own whose parent died (the ranks of a killed torchrun) become its children, and are
+killed with their process groups too.
 ``--pid-file PATH`` holds the pid of the latest trainer (rewritten at each attempt, removed
 at the end), for tools that signal the trainer directly.
 Each event is logged on stderr as one line starting ``ckpt launch:``.
@@ -52,7 +67,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from ckpt.agent.reaping import children, kill_orphans, subreaper
 from ckpt.agent.signals import EXIT_PREEMPTED
+from ckpt.agent.torchrun import Ending, Tail, ending, is_torchrun
 
 MAX_BACKOFF_SECONDS = 60.0
 EXIT_USAGE = 2
@@ -156,19 +173,30 @@ def _ignore(signum: int, frame: FrameType | None) -> None:
 class _Trainer:
     """One attempt: the trainer process and the signals forwarded to it."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], *, tail: Tail | None, older: set[int]
+    ) -> None:
         self.process = process
         self.stopped_by: signal.Signals | None = None
+        self._tail = tail
+        self._older = older  # the supervisor's children before this attempt started
 
-    def wait(self, signals: _Signals) -> int:
-        """Wait for the trainer to exit, forwarding stop signals; its return code."""
+    def wait(self, signals: _Signals) -> Ending:
+        """Wait for the trainer to exit, forwarding stop signals; how it ended."""
         while not self._exited():
             for signum in signals.wait(None):
                 self._forward(signum)
         # What the trainer leaves in its group (the data loader workers of a killed
         # trainer) must not outlive it: the next attempt would share the machine with them.
         self._signal_group(signal.SIGKILL)
-        return self.process.wait()
+        orphans = children() - self._older - {self.process.pid}
+        if orphans:
+            _log(f"killing what the trainer left in sessions of their own (pids {sorted(orphans)})")
+            kill_orphans(orphans)
+        returncode = self.process.wait()
+        if self._tail is None:
+            return ending(returncode)
+        return ending(returncode, torchrun_stderr=self._tail.text(timeout=10.0))
 
     def _exited(self) -> bool:
         if not hasattr(os, "waitid"):  # macOS before Python 3.13
@@ -202,7 +230,7 @@ def supervise(policy: Policy) -> int:
     Returns:
         The supervisor's exit code (see the module's docstring).
     """
-    with _Signals() as signals:
+    with _Signals() as signals, subreaper():
         try:
             return _attempts(policy, signals)
         finally:
@@ -223,9 +251,9 @@ def _attempts(policy: Policy, signals: _Signals) -> int:
         trainer = _start(policy, attempt=attempt)
         if isinstance(trainer, int):
             return trainer
-        returncode = trainer.wait(signals)
-        code = exit_code(returncode)
-        backoff = _next_delay(returncode, trainer=trainer, attempt=attempt, policy=policy)
+        ended = trainer.wait(signals)
+        code = exit_code(ended.returncode)
+        backoff = _next_delay(ended, trainer=trainer, attempt=attempt, policy=policy)
         if backoff is None:
             return code
         delay = backoff
@@ -235,8 +263,15 @@ def _attempts(policy: Policy, signals: _Signals) -> int:
 def _start(policy: Policy, *, attempt: int) -> _Trainer | int:
     """Start one attempt; the trainer, or the exit code when the command cannot run."""
     environment = {**os.environ, "CKPT_LAUNCH_ATTEMPT": str(attempt)}
+    torchrun = is_torchrun(policy.command)
+    older = children()
     try:
-        process = subprocess.Popen(policy.command, env=environment, start_new_session=True)
+        process = subprocess.Popen(
+            policy.command,
+            env=environment,
+            start_new_session=True,
+            stderr=subprocess.PIPE if torchrun else None,  # read by ending(), copied through
+        )
     except FileNotFoundError as err:
         _log(f"command not found: {policy.command[0]} ({err.strerror}); check PATH")
         return EXIT_NOT_FOUND
@@ -248,29 +283,28 @@ def _start(policy: Policy, *, attempt: int) -> _Trainer | int:
     _log(f"attempt {attempt} of {attempts}: {command} (pid {process.pid})")
     if policy.pid_file is not None:
         _write_pid_file(policy.pid_file, process.pid)
-    return _Trainer(process)
+    tail = Tail(process.stderr) if process.stderr is not None else None
+    return _Trainer(process, tail=tail, older=older)
 
 
-def _next_delay(
-    returncode: int, *, trainer: _Trainer, attempt: int, policy: Policy
-) -> float | None:
+def _next_delay(ended: Ending, *, trainer: _Trainer, attempt: int, policy: Policy) -> float | None:
     """Log how an attempt ended; the backoff before the next one, or None to stop."""
-    code = exit_code(returncode)
+    code = exit_code(ended.returncode)
     if trainer.stopped_by is not None:
-        _log(f"{_describe(returncode)} after {trainer.stopped_by.name}; exiting with {code}")
+        _log(f"{ended.description} after {trainer.stopped_by.name}; exiting with {code}")
         return None
-    outcome = classify(returncode)
+    outcome = classify(ended.returncode)
     if outcome is Outcome.SUCCEEDED:
         _log("trainer succeeded")
         return None
-    ended = f"{_describe(returncode)} ({outcome.value})"
+    what = f"{ended.description} ({outcome.value})"
     left = policy.max_restarts - attempt + 1
     if left == 0:
-        _log(f"{ended}; restart budget spent; exiting with {code}")
+        _log(f"{what}; restart budget spent; exiting with {code}")
         return None
     delay = backoff_seconds(attempt, base=policy.backoff)
     restarts = f"{left - 1} restart{'' if left == 2 else 's'} left"
-    _log(f"{ended}; restarting in {round(delay, 3)} s ({restarts})")
+    _log(f"{what}; restarting in {round(delay, 3)} s ({restarts})")
     return delay
 
 
@@ -283,12 +317,6 @@ def _sleep(signals: _Signals, seconds: float) -> signal.Signals | None:
             return stop[0]
         if time.monotonic() >= deadline:
             return None
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        return f"trainer killed by {signal.Signals(-returncode).name}"
-    return f"trainer exited with {returncode}"
 
 
 def _write_pid_file(path: Path, pid: int) -> None:

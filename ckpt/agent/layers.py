@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from ckpt.agent.objects import Generator, TrainingObjects
+from ckpt.agent.sharded import Saved, is_sharded, place, place_all
 from ckpt.core.errors import IncompatibleBundleError
 
 State = dict[str, Any]
@@ -72,7 +73,7 @@ def capture_weights(objects: TrainingObjects) -> State:
 def restore_weights(objects: TrainingObjects, state: State) -> None:
     _same_names("models", objects.models, state["models"])
     for name, model in objects.models.items():
-        model_state = OrderedDict(state["models"][name])
+        model_state = OrderedDict(place_all(state["models"][name], model.state_dict().__getitem__))
         model_state._metadata = state["module_versions"][name]  # type: ignore[attr-defined]
         model.load_state_dict(model_state, strict=True)
     masters = _masters(objects)
@@ -81,7 +82,8 @@ def restore_weights(objects: TrainingObjects, state: State) -> None:
         for name, params in masters.items():
             _same_names(f"master weights of optimizer {name!r}", params, state["masters"][name])
             for i, param in params.items():
-                param.copy_(state["masters"][name][i])
+                saved = state["masters"][name][i]
+                param.copy_(place(saved, param) if is_sharded(saved) else saved)
     _same_names("extras", objects.extras, state["extras"])
     for name, extra in objects.extras.items():
         extra.load_state_dict(state["extras"][name])
@@ -101,7 +103,10 @@ def _restore_grads(
             _set_grad(params_by_index[i], grad)
 
 
-def _set_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+def _set_grad(param: torch.Tensor, grad: torch.Tensor | Saved) -> None:
+    if is_sharded(grad):
+        grad = place(grad, param)  # type: ignore[arg-type]
+    assert isinstance(grad, torch.Tensor)
     if param.grad is None:
         param.grad = grad.to(device=param.device, dtype=param.dtype, copy=True)
     else:
@@ -121,7 +126,7 @@ def capture_optimizer(objects: TrainingObjects) -> State:
 def restore_optimizer(objects: TrainingObjects, state: State) -> None:
     _same_names("optimizers", objects.optimizers, state["optimizers"])
     for name, optimizer in objects.optimizers.items():
-        optimizer.load_state_dict(state["optimizers"][name])
+        optimizer.load_state_dict(_placed_optimizer_state(optimizer, state["optimizers"][name]))
     if (objects.scaler is None) != (state["scaler"] is None):
         raise IncompatibleBundleError(
             "the bundle was saved with"
@@ -130,6 +135,17 @@ def restore_optimizer(objects: TrainingObjects, state: State) -> None:
         )
     if objects.scaler is not None:
         objects.scaler.load_state_dict(state["scaler"])
+
+
+def _placed_optimizer_state(optimizer: torch.optim.Optimizer, saved: State) -> State:
+    """The saved state with sharded moments laid out like the parameters they belong to."""
+    params = _optimizer_params(optimizer)
+
+    def like(index: int) -> Callable[[object], torch.Tensor]:
+        return lambda _key: params[index]
+
+    per_param = {index: place_all(values, like(index)) for index, values in saved["state"].items()}
+    return {**saved, "state": per_param}
 
 
 def capture_scheduler(objects: TrainingObjects) -> State:

@@ -17,6 +17,7 @@ from torch import nn
 from ckpt.agent.counters import Counters
 from ckpt.agent.data import DataSource, data_source
 from ckpt.agent.stateful import Stateful
+from ckpt.core.contract import Layer
 
 T = TypeVar("T")
 
@@ -75,6 +76,16 @@ def gather(
                 "numpy.random.Generator or numpy.random.RandomState objects"
             )
     return objects
+
+
+def replicated_layers(objects: TrainingObjects, *, world_size: int) -> frozenset[Layer]:
+    """The layers every rank holds byte for byte: the weights and optimizer state when
+    every model is wrapped in ``DistributedDataParallel`` (which keeps the replicas equal,
+    buffers included), in a job of many ranks. Sharded (FSDP) or plain models: none."""
+    ddp = nn.parallel.DistributedDataParallel
+    if world_size > 1 and all(isinstance(model, ddp) for model in objects.models.values()):
+        return frozenset((Layer.WEIGHTS, Layer.OPTIMIZER))
+    return frozenset()
 
 
 def named(objects: Some[T] | None, kind: type[Any]) -> dict[str, T]:

@@ -20,11 +20,19 @@ from ckpt.agent.capture import LayerState
 from ckpt.agent.catalog.base import Catalog, Upload
 from ckpt.agent.manifests import bundle_name, bundle_name_at
 from ckpt.agent.policy import Position
+from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.agent.staging import Staged
 from ckpt.agent.summary import announce, format_bytes
-from ckpt.agent.upload import BlobHashes, BlobSources, HeldBlobs, WriteStats, upload_layer
+from ckpt.agent.upload import (
+    BlobHashes,
+    BlobSources,
+    HeldBlobs,
+    Share,
+    WriteStats,
+    upload_layer,
+)
 from ckpt.core.contract import Layer, LayerRecord, SaveFigures
-from ckpt.core.errors import CkptError
+from ckpt.core.errors import BundleExistsError, CkptError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
 
@@ -128,7 +136,8 @@ class Persister:
         store: ObjectStore,
         catalog: Catalog,
         blob_bytes: int,
-        rank: int,
+        ranks: Ranks,
+        replicated: frozenset[Layer],
         quiet: bool,
     ) -> None:
         self.in_flight: PendingSave | None = None
@@ -136,7 +145,8 @@ class Persister:
         self.saved: dict[int, Position] = {}  # the bundles this process committed, by step
         self.save_seconds: float | None = None  # stall + persist of the last durable save
         self._run, self._store, self._catalog = run, store, catalog
-        self._blob_bytes, self._rank, self._quiet = blob_bytes, rank, quiet
+        self._blob_bytes, self._ranks, self._quiet = blob_bytes, ranks, quiet
+        self._replicated = replicated  # layers every rank holds alike (DDP): one upload
         self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
 
@@ -171,6 +181,26 @@ class Persister:
             if pending.done():  # not when interrupted: its buffers are still in use
                 self.in_flight = None
 
+    def ready(self, *, skip: bool, unreachable: Callable[[], bool], due_at: Position) -> bool:
+        """Whether a due save may stage now: nothing in flight, or it ended while waited
+        for. With ``skip`` (``in_flight="skip"``), or while the control plane is (or becomes)
+        unreachable, the due save is skipped instead: the save in flight is retrying, and
+        training does not wait on the control plane."""
+        if self.settle(block=False):
+            return True
+        if skip:
+            log.info("run %s: a save is still in flight; skipping this one", self._run)
+            return False
+        if self.wait_unless(unreachable):
+            return True
+        log.warning(
+            "run %s: the control plane is unreachable and the save before is retrying; "
+            "skipping the save due at %s",
+            self._run,
+            due_at,
+        )
+        return False
+
     def wait_unless(self, stop: Callable[[], bool], *, poll: float = 0.05) -> bool:
         """Wait for the save in flight like ``wait``, but give up (False) as soon as ``stop()``
         is true, checked every ``poll`` seconds."""
@@ -190,6 +220,21 @@ class Persister:
             return False
         self.wait()
         return True
+
+    def check_one_bundle_per_step(self, position: Position) -> None:
+        """A run keeps one bundle per step from each attempt: a second save at another micro
+        step of a step saved already is refused, loudly, rather than dropped or replacing it.
+
+        Raises:
+            BundleExistsError: this process saved another micro step of the step.
+        """
+        saved = self.saved.get(position.step)
+        if saved is not None:
+            raise BundleExistsError(
+                f"run {self._run}: this process saved {saved} already; a run keeps one "
+                f"bundle per step from each attempt, so {position} is not saved. Save again at "
+                "a later step"
+            )
 
     def resumed_at(self, position: Position) -> None:
         """The bundle a resume restored is durable at ``position``."""
@@ -271,6 +316,7 @@ class Persister:
         def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
             stats.seen.clear()  # a second round uploads the blobs that vanished again
             stats.payload_bytes = 0
+            share = self._share()
             return {
                 layer: upload_layer(
                     self._store,
@@ -279,12 +325,24 @@ class Persister:
                     stats=stats,
                     held=held,
                     hashes=hashes,
+                    share=share if layer in self._replicated else None,
                     progress=progress.advance,
                 )
                 for layer, state in states.items()
             }
 
         return upload
+
+    def _share(self) -> Share | None:
+        """How this save's replicated layers are split among the ranks (None: no such)."""
+        if not self._replicated or self._ranks.world_size == 1:
+            return None
+
+        def same(hashes: list[str]) -> bool:
+            mine = tuple(hashes)
+            return all(h == mine for h in self._ranks.gather(mine, timeout=MEET_SECONDS))
+
+        return Share(rank=self._ranks.rank, world_size=self._ranks.world_size, same=same)
 
     def _announce(self, result: SaveResult, position: Position) -> None:
         """One line per durable save; the details at debug level."""
@@ -305,7 +363,7 @@ class Persister:
     def _report(self, bundle_id: int | None, result: SaveResult) -> None:
         """Send the figures to the catalog; a failure costs only the figures."""
         try:
-            self._catalog.report(bundle_id, rank=self._rank, figures=result.figures)
+            self._catalog.report(bundle_id, rank=self._ranks.rank, figures=result.figures)
         except CkptError as err:
             log.warning(
                 "run %s: could not report the figures of %s: %s", self._run, result.bundle, err

@@ -18,6 +18,7 @@ from typing import NoReturn, Protocol
 
 from ckpt.agent.persist import PendingSave, Persister
 from ckpt.agent.policy import Position
+from ckpt.agent.ranks import Ranks
 from ckpt.agent.signals import SignalWatch
 from ckpt.core.errors import CkptError
 
@@ -48,6 +49,7 @@ class Preemption:
         self,
         *,
         run: str,
+        ranks: Ranks,
         grace_seconds: float,
         persister: Persister,
         save: Callable[[], PendingSave],
@@ -55,7 +57,7 @@ class Preemption:
         end: End,
         install: bool,
     ) -> None:
-        self._run, self._persister = run, persister
+        self._run, self._persister, self._ranks = run, persister, ranks
         self._save, self._position, self._end = save, position, end
         self.signals = SignalWatch(
             deadline_seconds=deadline_seconds(grace_seconds), on_deadline=self._deadline_passed
@@ -69,13 +71,13 @@ class Preemption:
         return self.signals.requested
 
     def act(self) -> NoReturn:
-        """At a step boundary after a signal: make the newest state durable if there is time,
-        end the attempt as preempted, exit."""
-        signum = self.signals.signum
-        assert signum is not None
+        """At a step boundary after a signal (to this rank or another of the job): make the
+        newest state durable if there is time, end the attempt as preempted, exit. The ranks
+        decide each step together, so all save or none does."""
+        signum = self.signals.signum or signal.SIGTERM  # the signal may have reached another rank
         finished = False
         try:
-            finished = self._finish_in_flight()
+            finished = self._together(self._finish_in_flight())
             if finished and self._position() != self._persister.durable_at:
                 finished = self._emergency_save()
         finally:
@@ -118,7 +120,7 @@ class Preemption:
     def _emergency_save(self) -> bool:
         """Save once more if the last measured save fits; False when it ran out of time."""
         estimate, left = self._persister.save_seconds, self._budget()
-        if estimate is None or estimate > left:
+        if not self._together(estimate is not None and estimate <= left):
             known = (
                 "no save was measured yet" if estimate is None else f"a save takes {estimate:.1f} s"
             )
@@ -137,6 +139,10 @@ class Preemption:
         except CkptError as err:
             log.error("run %s: the emergency save failed: %s", self._run, err)
         return True
+
+    def _together(self, ok: bool) -> bool:
+        """Whether every rank can go on (a rank short of time makes every rank stop)."""
+        return self._ranks.all_ok(ok, timeout=max(self._budget(), 1.0))
 
     def _end_attempt(self, committed: bool, *, patience: float) -> None:
         try:

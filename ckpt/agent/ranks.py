@@ -12,6 +12,7 @@ plugs in beside it for many ranks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -48,6 +49,15 @@ class Ranks(Protocol):
         """Whether every rank passed True (every rank recorded its layers)."""
         ...
 
+    def any_rank(self, *flags: bool, timeout: float) -> tuple[bool, ...]:
+        """For each flag, whether some rank passed True (a stop signal reached it, a save is
+        due by its clock): cheap enough for every step."""
+        ...
+
+    def gather(self, value: T, *, timeout: float) -> list[T]:
+        """Every rank's ``value``, by rank (what failed where)."""
+        ...
+
     def barrier(self, *, timeout: float) -> None:
         """Wait until every rank arrives.
 
@@ -55,6 +65,29 @@ class Ranks(Protocol):
             TimeoutError: some rank did not arrive within ``timeout`` seconds.
         """
         ...
+
+
+def job_ranks(*, timeout: float) -> Ranks:
+    """The ranks of this job: a ``torch.distributed`` job of many ranks, or this process.
+
+    Raises:
+        ValueError: the environment names many ranks (``WORLD_SIZE``, set by torchrun, a
+            PyTorchJob or the manifests in ``deploy/``) but no process group is initialized.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from ckpt.agent.distributed import TorchRanks
+
+        return TorchRanks(timeout=timeout)
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        raise ValueError(
+            f"WORLD_SIZE={world}, but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group(...) before creating the Checkpointer, so "
+            "that every rank joins one attempt"
+        )
+    return SingleProcess()
 
 
 @dataclass(frozen=True)
@@ -72,6 +105,12 @@ class SingleProcess:
 
     def all_ok(self, ok: bool, *, timeout: float) -> bool:
         return ok
+
+    def any_rank(self, *flags: bool, timeout: float) -> tuple[bool, ...]:
+        return flags
+
+    def gather(self, value: T, *, timeout: float) -> list[T]:
+        return [value]
 
     def barrier(self, *, timeout: float) -> None:
         return None

@@ -55,16 +55,33 @@ class ResumableSampler(Sampler[int]):
     the position as batches are *consumed*, which is what a resume needs even though the
     DataLoader's workers prefetch ahead of the training loop.
 
+    Sharded (``num_replicas`` > 1, one sampler per rank, as ``DistributedSampler``): every
+    rank draws the same permutation, padded by wrapping around to a multiple of
+    ``num_replicas``, and takes every ``num_replicas``-th index from ``rank``.
+
     Args:
         data_source: the dataset (anything with ``len``) or the number of samples.
         seed: the run's data seed.
         shuffle: False walks the dataset in order every epoch.
+        num_replicas, rank: the ranks sharing the data, and this one.
     """
 
-    def __init__(self, data_source: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
-        self.num_samples = data_source if isinstance(data_source, int) else len(data_source)
-        if self.num_samples < 1:
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        self.total = data_source if isinstance(data_source, int) else len(data_source)
+        if self.total < 1:
             raise ValueError("ResumableSampler needs at least one sample")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not one of the {num_replicas} replicas (0 to N-1)")
+        self.num_replicas, self.rank = num_replicas, rank
+        self.num_samples = -(-self.total // num_replicas)  # this rank's share, padded
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
@@ -81,11 +98,15 @@ class ResumableSampler(Sampler[int]):
             yield SampleIndex(index, mix_seed(epoch_seed, index))
 
     def _order(self) -> list[int]:
+        """This rank's indices of the epoch, in order."""
         if not self.shuffle:
-            return list(range(self.num_samples))
-        generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch, 1))
-        order: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
-        return order
+            order = list(range(self.total))
+        else:
+            generator = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch, 1))
+            order = torch.randperm(self.total, generator=generator).tolist()
+        padded = self.num_samples * self.num_replicas
+        order += (order * (padded // self.total + 1))[: padded - self.total]
+        return order[self.rank :: self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its first sample; calling it again for the same epoch keeps the position."""
@@ -98,24 +119,31 @@ class ResumableSampler(Sampler[int]):
         self.offset = min(self.offset + count, self.num_samples)
 
     def state_dict(self) -> dict[str, int | bool]:
-        return {
+        state: dict[str, int | bool] = {
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "num_samples": self.num_samples,
+            "num_samples": self.total,
             "epoch": self.epoch,
             "offset": self.offset,
         }
+        if self.num_replicas > 1:
+            state["num_replicas"] = self.num_replicas
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (state["num_samples"], state["shuffle"]) != (self.num_samples, self.shuffle):
+        """Take the position back. Saved by another number of replicas (a resume to another
+        world size), the epoch goes on from the same number of samples consumed in all,
+        rounded down, in this world size's order: training continues, not bit-exactly."""
+        if (state["num_samples"], state["shuffle"]) != (self.total, self.shuffle):
             raise ValueError(
                 f"the checkpoint's sampler covered {state['num_samples']} samples "
-                f"(shuffle={state['shuffle']}); this one covers {self.num_samples} "
+                f"(shuffle={state['shuffle']}); this one covers {self.total} "
                 f"(shuffle={self.shuffle}): resuming would replay a different order"
             )
+        replicas = int(state.get("num_replicas", 1))
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
-        self.offset = int(state["offset"])
+        self.offset = min(int(state["offset"]) * replicas // self.num_replicas, self.num_samples)
 
 
 class PerSampleRNG(Dataset[T_co], Generic[T_co]):

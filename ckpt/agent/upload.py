@@ -10,6 +10,7 @@ CPU and I/O overlap.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from ckpt.agent.format.chunking import GROUP_BYTES, plan_blobs
 from ckpt.core.contract import BlobRef, LayerRecord
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
+
+log = logging.getLogger("ckpt")
 
 
 @dataclass
@@ -81,6 +84,34 @@ class BlobHashes:
             self.reused_bytes += size
 
 
+@dataclass
+class Share:
+    """Layers every rank holds byte for byte (DDP's replicated weights and optimizer state):
+    each rank hashes every blob, but each blob is stored by one rank alone, so a bundle
+    costs one replica's upload, spread over every rank. Blobs go to the rank with the fewest
+    bytes so far, largest first: every rank computes the same split from the same sizes.
+
+    ``same(hashes)`` tells whether every rank computed the same blob hashes (a meeting of the
+    ranks); when they differ, every rank stores its own blobs and a warning says so.
+    """
+
+    rank: int
+    world_size: int
+    same: Callable[[list[str]], bool]
+    loads: list[int] = field(default_factory=list)  # bytes given to each rank this save
+
+    def owners(self, sizes: list[int]) -> list[int]:
+        """The rank that stores each blob."""
+        if not self.loads:
+            self.loads = [0] * self.world_size
+        owners = [0] * len(sizes)
+        for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            owner = min(range(self.world_size), key=lambda r: (self.loads[r], r))
+            owners[index] = owner
+            self.loads[owner] += sizes[index]
+        return owners
+
+
 def upload_layer(
     store: ObjectStore,
     state: LayerState,
@@ -89,21 +120,21 @@ def upload_layer(
     stats: WriteStats,
     held: HeldBlobs,
     hashes: BlobHashes | None = None,
+    share: Share | None = None,
     progress: Callable[[int], None] = lambda nbytes: None,
 ) -> LayerRecord:
     """Lay out one payload, hash its blobs and put those the store does not hold intact.
 
     ``held`` answers which of the new blobs the store already holds intact: the store
     itself (``store_held``) or the control plane (``/v1/blobs/missing``). ``hashes`` carries
-    the previous save's blob hashes over; ``progress`` is told the size of each blob done.
+    the previous save's blob hashes over; ``share`` splits a replicated layer's blobs among
+    the ranks; ``progress`` is told the size of each blob done.
     """
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
     hashes = hashes if hashes is not None else BlobHashes()
 
-    # One task per blob, from hash to stored, so that hashing (CPU) and writing (I/O)
-    # overlap across the threads instead of running as two phases.
-    def persist(span: tuple[int, int]) -> BlobRef:
+    def digest(span: tuple[int, int]) -> BlobRef:
         sources = plan.sources(*span)
         sha = hashes.known(sources)
         if sha is None:
@@ -111,14 +142,25 @@ def upload_layer(
         else:
             hashes.reused(span[1] - span[0])
         hashes.remember(sources, sha)
-        blob = BlobRef(sha256=sha, size=span[1] - span[0])
-        if stats.claim(sha) and not held([blob]):
-            store.put(keys.blob_key(sha), plan.pieces(*span))
+        return BlobRef(sha256=sha, size=span[1] - span[0])
+
+    def store_blob(blob: BlobRef, span: tuple[int, int]) -> None:
+        if stats.claim(blob.sha256) and not held([blob]):
+            store.put(keys.blob_key(blob.sha256), plan.pieces(*span))
             stats.stored(blob.size)
         progress(blob.size)
-        return blob
 
-    blobs = parallel(persist, ranges)
+    if share is None:
+        # One task per blob, from hash to stored, so that hashing (CPU) and writing (I/O)
+        # overlap across the threads instead of running as two phases.
+        def persist(span: tuple[int, int]) -> BlobRef:
+            blob = digest(span)
+            store_blob(blob, span)
+            return blob
+
+        blobs = parallel(persist, ranges)
+    else:
+        blobs = _shared(share, ranges, digest=digest, store_blob=store_blob, progress=progress)
     stats.payload_bytes += plan.size
     return LayerRecord(
         payload_bytes=plan.size,
@@ -126,3 +168,29 @@ def upload_layer(
         blobs=tuple(blobs),
         tensors=plan.index,
     )
+
+
+def _shared(
+    share: Share,
+    ranges: list[tuple[int, int]],
+    *,
+    digest: Callable[[tuple[int, int]], BlobRef],
+    store_blob: Callable[[BlobRef, tuple[int, int]], None],
+    progress: Callable[[int], None],
+) -> list[BlobRef]:
+    """Hash every blob; store this rank's share (every blob, if the ranks disagree)."""
+    blobs = parallel(digest, ranges)
+    if share.same([blob.sha256 for blob in blobs]):
+        owners = share.owners([blob.size for blob in blobs])
+    else:
+        log.warning(
+            "the ranks hold different bytes in a layer that should be replicated (DDP): "
+            "each rank stores its own blobs"
+        )
+        owners = [share.rank] * len(blobs)
+    for blob, span, owner in zip(blobs, ranges, owners, strict=True):
+        if owner == share.rank:
+            store_blob(blob, span)
+        else:
+            progress(blob.size)
+    return blobs

@@ -11,7 +11,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-IO_THREADS = max(2, min(8, 2 * (os.cpu_count() or 1)))
+
+def _io_threads() -> int:
+    """Two threads per core, 2 to 8, shared by the ranks of one host (torchrun sets
+    ``LOCAL_WORLD_SIZE``): eight ranks on a node do not start 64 hashing threads each."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    return max(2, min(8, 2 * (os.cpu_count() or 1) // ranks))
+
+
+IO_THREADS = _io_threads()
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -1,6 +1,6 @@
 """The FastAPI application: routers, the error handlers (one JSON body for every error), body
-limits, metrics, and the periodic tasks: garbage collection, the scrubber and marking lost
-attempts."""
+limits, metrics, the interactive API page (Swagger UI, served from the package), and the
+periodic tasks: garbage collection, the scrubber and marking lost attempts."""
 
 from __future__ import annotations
 
@@ -11,22 +11,32 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckpt.core.version import __version__
 from ckpt.service.auth.endpoints import router as tokens_router
+from ckpt.service.bulk import not_json
 from ckpt.service.bundles.endpoints import router as bundles_router
 from ckpt.service.context import Context
 from ckpt.service.db import upgrade
-from ckpt.service.errors import InvalidRequestError, PayloadTooLargeError, ServiceError
+from ckpt.service.errors import (
+    DatabaseUnavailableError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    RetryError,
+    ServiceError,
+)
 from ckpt.service.events.endpoints import router as events_router
 from ckpt.service.gc import service as gc
 from ckpt.service.gc.endpoints import router as gc_router
@@ -40,6 +50,8 @@ from ckpt.service.scrub.endpoints import router as scrub_router
 from ckpt.service.settings import Settings, embedded_admin_token
 
 log = logging.getLogger("ckpt.service")
+# Swagger UI's files, vendored (static/swagger-ui/README.md says from where).
+STATIC = Path(__file__).parent / "static"
 
 
 def create_app(settings: Settings | None = None, *, context: Context | None = None) -> FastAPI:
@@ -56,6 +68,8 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
         version=__version__,
         summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
         lifespan=_lifespan(settings, context),
+        docs_url=None,  # served by _serve_docs, from the package's own Swagger UI
+        redoc_url=None,
     )
     app.state.context = context
     app.state.admin_token = admin_token
@@ -69,6 +83,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
         scrub_router,
     ):
         app.include_router(router)
+    _serve_docs(app)
     _handle_errors(app)
     _count_requests(app, context)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
@@ -130,6 +145,26 @@ async def _periodically(
             log.exception("periodic %s failed", what)
 
 
+def _serve_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI from the files in ``static/``, so that the page works offline and
+    loads nothing from another site."""
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        assets = f"{root}/static/swagger-ui"
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{app.openapi_url}",
+            title=f"{app.title} - API",
+            swagger_js_url=f"{assets}/swagger-ui-bundle.js",
+            swagger_css_url=f"{assets}/swagger-ui.css",
+            swagger_favicon_url=f"{assets}/favicon-32x32.png",
+            # No validator badge: it would send the API description to validator.swagger.io.
+            swagger_ui_parameters={"validatorUrl": None},
+        )
+
+
 def _handle_errors(app: FastAPI) -> None:
     """Every error leaves as the same JSON body: ``{"error": code, "message": ...}``."""
     app.exception_handler(ServiceError)(_service_error)
@@ -143,7 +178,7 @@ async def _service_error(_: Request, err: ServiceError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
-async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+async def _invalid(_: Request | None, err: RequestValidationError) -> JSONResponse:
     problems = [_describe(problem) for problem in err.errors()]
     return JSONResponse(
         {
@@ -161,16 +196,19 @@ async def _database_error(_: Request, err: DBAPIError) -> JSONResponse:
         return JSONResponse(body, status_code=422)
     if _retryable(err):
         log.warning("database conflict, the client will retry: %s", err.orig)
-        body = ServiceError(
-            "the database aborted this request to resolve a conflict; retry it"
-        ).body() | {"error": "retry"}
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        retry = RetryError("the database aborted this request to resolve a conflict; retry it")
+        return JSONResponse(retry.body(), status_code=retry.status, headers={"Retry-After": "1"})
     log.error("database error", exc_info=err)
-    body = ServiceError("the catalog database failed; see the server log").body()
-    return JSONResponse(body, status_code=503)
+    failed = DatabaseUnavailableError("the catalog database failed; see the server log")
+    return JSONResponse(failed.body(), status_code=failed.status)
 
 
 async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    if err.status_code == 400 and isinstance(err.__cause__, ValueError | RecursionError):
+        # FastAPI's answer to a body it cannot decode as JSON beyond a syntax error (bytes
+        # that are not UTF-8, nesting deeper than the parser goes): malformed JSON like any
+        # other, so the same 422 (docs/rest-api.md).
+        return await _invalid(None, not_json(err.__cause__))
     code = {
         404: "not_found",
         405: "method_not_allowed",

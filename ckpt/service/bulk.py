@@ -62,19 +62,28 @@ def _loads(body: bytes) -> Any:
         )
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as err:
-        position = getattr(err, "pos", 0)
-        raise RequestValidationError(
-            [
-                {
-                    "type": "json_invalid",
-                    "loc": ("body", position),
-                    "msg": "JSON decode error",
-                    "input": {},
-                    "ctx": {"error": getattr(err, "msg", str(err))},
-                }
-            ]
-        ) from None
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
+        raise not_json(err) from None
+
+
+def not_json(err: ValueError | RecursionError) -> RequestValidationError:
+    """The 422 for a body that is not JSON: a syntax error, bytes that are not UTF-8, or
+    nesting deeper than the parser goes."""
+    if isinstance(err, RecursionError):
+        reason = "nested too deeply"
+    else:
+        reason = getattr(err, "msg", None) or str(err)
+    return RequestValidationError(
+        [
+            {
+                "type": "json_invalid",
+                "loc": ("body", err.pos) if isinstance(err, json.JSONDecodeError) else ("body",),
+                "msg": f"JSON decode error: {reason}",
+                "input": {},
+                "ctx": {"error": reason},
+            }
+        ]
+    )
 
 
 def _items(model: type[BaseModel], name: str, values: list[Any]) -> list[Any]:

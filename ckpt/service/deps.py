@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import Depends, Header, Path, Request
+from fastapi import Depends, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator
 
 from ckpt.service.auth.service import Principal, authenticate
@@ -24,11 +25,21 @@ def get_context(request: Request) -> Context:
 ContextDep = Annotated[Context, Depends(get_context)]
 
 
+# The API description's security scheme. It refuses nothing itself (``auto_error=False``):
+# ``authenticate`` answers a missing or malformed token with the API's own 401 body.
+bearer = HTTPBearer(
+    scheme_name="bearer",
+    description="a token from 'ckpt token create', or the admin token (CKPT_ADMIN_TOKEN)",
+    auto_error=False,
+)
+
+
 def get_principal(
     request: Request,
     context: ContextDep,
-    authorization: Annotated[str | None, Header()] = None,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
 ) -> Principal:
+    authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
     return authenticate(
         context,
         authorization=authorization,
@@ -48,8 +59,10 @@ def _digits(text: object) -> object:
     return text
 
 
-IdPath = Annotated[int, BeforeValidator(_digits), Path(ge=1, le=MAX_ID, description="a catalog id")]
+# The bounds before the validator: after it, FastAPI writes them into the API description as
+# "ge"/"le" (which JSON Schema ignores), not as "minimum"/"maximum".
+IdPath = Annotated[int, Path(ge=1, le=MAX_ID, description="a catalog id"), BeforeValidator(_digits)]
 RankPath = Annotated[
-    int, BeforeValidator(_digits), Path(ge=0, le=MAX_RANK, description="a rank of the bundle")
+    int, Path(ge=0, le=MAX_RANK, description="a rank of the bundle"), BeforeValidator(_digits)
 ]
 RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]

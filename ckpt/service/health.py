@@ -9,6 +9,7 @@ from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
 from ckpt.service.context import Context
 from ckpt.service.db import ping, schema_revision
@@ -16,6 +17,15 @@ from ckpt.service.deps import ContextDep
 
 log = logging.getLogger("ckpt.service")
 router = APIRouter(tags=["health"])
+
+
+class Readiness(BaseModel):
+    """The answer of ``/readyz``."""
+
+    status: str = Field(description="'ready' or 'not ready'")
+    checks: dict[str, str] = Field(
+        description="each dependency ('database', 'schema', 'store'): 'ok', or what is wrong"
+    )
 
 
 @router.get("/healthz")
@@ -28,7 +38,14 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", response_model=None)
+@router.get(
+    "/readyz",
+    response_model=None,
+    responses={
+        200: {"model": Readiness, "description": "every check is ok"},
+        503: {"model": Readiness, "description": "a check failed: the checks say which"},
+    },
+)
 async def readyz(context: ContextDep) -> JSONResponse:
     """The database answers, its schema is at the migrations' head, the store answers.
 
@@ -65,7 +82,16 @@ def _checks(context: Context) -> dict[str, str]:
     return checks
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "the Prometheus text format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        }
+    },
+)
 def metrics(context: ContextDep) -> Response:
     """Prometheus metrics of this process."""
     return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)

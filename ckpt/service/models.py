@@ -2,6 +2,7 @@
 that the migrations and these models agree.
 
     run ──< attempt ──< bundle ──< layer ──< layer_blob >── blob
+             └──< attempt_rank (each rank's last heartbeat)
      │                    │ parent_id (lineage), run.head_bundle_id (the live branch's head)
      └──< rollback        ├ attempt.resumed_from_id (resume edges)
                           ├──< save (what each rank's save of it cost)
@@ -140,6 +141,20 @@ class Attempt(Base):
     resumed_from_id: Mapped[int | None] = mapped_column(
         ForeignKey("bundle.id", use_alter=True, ondelete="SET NULL")
     )
+
+
+class AttemptRank(Base):
+    """One rank of an attempt of a job of many ranks, as its heartbeats show it: the
+    attempt is lost as soon as any of its ranks goes silent."""
+
+    __tablename__ = "attempt_rank"
+    __table_args__ = (CheckConstraint("rank >= 0", name="rank"),)
+
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("attempt.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    heartbeat_at: Mapped[datetime] = mapped_column(index=True)
 
 
 class Bundle(Base):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -26,7 +27,9 @@ DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSION = "1.30.0"
 
 CONTROL_PLANE = ("overlays/production", "overlays/dev")
-TRAINING = ("training/base", "training/aws", "training/gke")
+SINGLE_NODE = ("training/base", "training/aws", "training/gke")
+MULTINODE = "training/multinode"
+TRAINING = (*SINGLE_NODE, MULTINODE)
 KUSTOMIZATIONS = sorted(
     str(path.parent.relative_to(DEPLOY)) for path in DEPLOY.rglob("kustomization.yaml")
 )
@@ -301,7 +304,8 @@ def test_preemptions_do_not_count_against_the_backoff_limit(directory: str) -> N
 
 
 @pytest.mark.parametrize(
-    ("directory", "grace"), [("training/base", 120), ("training/aws", 120), ("training/gke", 15)]
+    ("directory", "grace"),
+    [("training/base", 120), ("training/aws", 120), ("training/gke", 15), (MULTINODE, 120)],
 )
 def test_the_save_budget_fits_the_grace_period(directory: str, grace: int) -> None:
     job = one(render(directory), "Job")
@@ -342,7 +346,7 @@ def test_the_trainer_is_wired_through_the_downward_api(directory: str) -> None:
     check_run_name(job["metadata"]["name"])
 
 
-@pytest.mark.parametrize("directory", TRAINING)
+@pytest.mark.parametrize("directory", SINGLE_NODE)
 def test_the_trainer_command_is_one_the_demo_accepts(directory: str) -> None:
     from ckpt.agent.demo.train import parse_args
 
@@ -375,3 +379,117 @@ def test_the_cloud_overlays_land_on_spot_nodes(directory: str, selector: dict[st
     assert {"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"} in spec[
         "tolerations"
     ]
+
+
+# --- the multi-node training Job -----------------------------------------------------------
+
+# The label the Job controller sets on every pod of a Job (Kubernetes 1.27+).
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+
+
+def torchrun_args(docs: list[Doc], trainer: Doc, *, index: str) -> tuple[Any, list[str]]:
+    """``ckpt launch``'s command in pod ``index``, with $(VAR) expanded, as torchrun parses
+    it; and the words ckpt launch runs."""
+    from torch.distributed.run import get_args_parser
+
+    from ckpt.agent.launch import is_torchrun, parse_args
+
+    job = one(docs, "Job")
+    values = {
+        "CKPT_RUN": job["metadata"]["name"],  # from the job-name label (the wiring test)
+        "JOB_COMPLETION_INDEX": index,
+        **config_map_data(docs, trainer),
+    }
+    # Kubernetes expands $(VAR) only for variables the container defines.
+    defined = {e["name"] for e in trainer["env"]} | set(config_map_data(docs, trainer))
+    words = []
+    for word in [*trainer["command"][1:], *trainer["args"]]:
+        references = set(re.findall(r"\$\((\w+)\)", word))
+        assert references <= defined, word
+        words.append(re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], word))
+    assert trainer["command"][0] == "ckpt"
+    assert words[0] == "launch"
+    policy = parse_args(words[1:])
+    assert is_torchrun(policy.command) and policy.command[0] == "torchrun"
+    return get_args_parser().parse_args(policy.command[1:]), policy.command
+
+
+def test_the_multinode_job_runs_one_pod_per_node_of_one_torchrun_group() -> None:
+    docs = render(MULTINODE)
+    job = one(docs, "Job")
+    (trainer,) = pod_spec(job)["containers"]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["parallelism"] == spec["completions"] >= 2
+    index = env_value(trainer, "JOB_COMPLETION_INDEX")["valueFrom"]["fieldRef"]["fieldPath"]
+    assert index == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    for node in range(spec["completions"]):
+        torchrun, _ = torchrun_args(docs, trainer, index=str(node))
+        assert torchrun.nnodes == str(spec["completions"])
+        assert torchrun.node_rank == node
+        assert torchrun.rdzv_backend == "static"
+    # ckpt launch runs once (the Job replaces pods); it reads torchrun's exit for the
+    # policy below: 143 when the ranks were preempted.
+    assert one(docs, "Job")["spec"]["backoffLimit"] >= spec["completions"]
+
+
+def test_the_headless_service_gives_the_jobs_pods_their_names() -> None:
+    docs = render(MULTINODE)
+    job = one(docs, "Job")
+    service = one(docs, "Service")
+    name = job["metadata"]["name"]
+    # Pod i of an Indexed Job is host <job>-i; in the subdomain of a headless Service that
+    # selects it, it resolves as <job>-i.<service>.
+    assert pod_spec(job)["subdomain"] == service["metadata"]["name"] == name
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True  # resolvable before ready
+    # The selector matches the Job's pods (and no other Job's): the controller's label.
+    pod_labels = {**job["spec"]["template"]["metadata"]["labels"], JOB_NAME_LABEL: name}
+    assert service["spec"]["selector"] == {JOB_NAME_LABEL: name}
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_every_node_meets_at_pod_0() -> None:
+    docs = render(MULTINODE)
+    job = one(docs, "Job")
+    (trainer,) = pod_spec(job)["containers"]
+    service = one(docs, "Service")
+    torchrun, _ = torchrun_args(docs, trainer, index="1")
+    assert torchrun.master_addr == f"{job['metadata']['name']}-0.{pod_spec(job)['subdomain']}"
+    (port,) = service["spec"]["ports"]
+    assert torchrun.master_port == port["port"] == port["targetPort"]
+    assert {"name": "rendezvous", "containerPort": port["port"], "protocol": "TCP"} in trainer[
+        "ports"
+    ]
+
+
+def test_the_multinode_ranks_have_their_save_budget_before_torchrun_kills_them() -> None:
+    """torchrun passes SIGTERM on to the ranks and SIGKILLs them --shutdown-timeout later
+    (30 s by default): that must outlast the agent's budget and fit the grace period."""
+    docs = render(MULTINODE)
+    job = one(docs, "Job")
+    (trainer,) = pod_spec(job)["containers"]
+    torchrun, _ = torchrun_args(docs, trainer, index="0")
+    budget = float(env_value(trainer, "CKPT_GRACE_SECONDS")["value"])
+    assert budget < torchrun.shutdown_timeout < pod_spec(job)["terminationGracePeriodSeconds"]
+
+
+def test_the_other_nodes_stopped_with_a_preempted_one_are_not_held_against_the_job() -> None:
+    job = one(render(MULTINODE), "Job")
+    assert {
+        "action": "Ignore",
+        "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]},
+    } in job["spec"]["podFailurePolicy"]["rules"]
+
+
+def test_the_multinode_command_is_one_the_demo_accepts() -> None:
+    from ckpt.agent.demo.ranks import parse_args
+
+    docs = render(MULTINODE)
+    (trainer,) = pod_spec(one(docs, "Job"))["containers"]
+    torchrun, _ = torchrun_args(docs, trainer, index="0")
+    assert torchrun.module and torchrun.training_script == "ckpt.agent.demo.ranks"
+    args = parse_args(torchrun.training_script_args)
+    assert args.store == config_map_data(docs, trainer)["CKPT_STORE"]
+    # No --run: torchrun would take it for its own --run-path; the run is CKPT_RUN.
+    assert not [a for a in torchrun.training_script_args if a.startswith("--run")]

@@ -22,9 +22,9 @@ def without_the_venv_on_path() -> dict[str, str]:
     return {**os.environ, "PATH": path}
 
 
-def demo(cwd: Path) -> str:
+def demo(cwd: Path, *args: str) -> str:
     done = subprocess.run(
-        DEMO,
+        [*DEMO, *args],
         cwd=cwd,
         env=without_the_venv_on_path(),
         capture_output=True,
@@ -37,7 +37,7 @@ def demo(cwd: Path) -> str:
     return done.stdout
 
 
-def sigkills_reported(out: str) -> int:
+def sigkills_reported(out: str, *, sigterms_sent: int = 2) -> int:
     """The report's attempt count line, checked against the attempts it lists."""
     found = re.search(
         r"^attempts: +(\d+) \((\d+) SIGTERMs sent, (\d+) SIGKILLs? in an upload\)$", out, re.M
@@ -47,15 +47,18 @@ def sigkills_reported(out: str) -> int:
     listed = re.findall(r"^  attempt (\d+): (\w[\w ]*) at step", out, re.M)
     assert [int(epoch) for epoch, _ in listed] == list(range(1, count + 1)), out
     assert listed[-1][1] == "finished", out  # the last attempt is listed too
-    assert sigterms == 2
+    assert sigterms == sigterms_sent
     return sigkills
 
 
-def sigkills_in_the_launch_log(out: str, cwd: Path) -> int:
+def launch_log(out: str, cwd: Path) -> str:
     run = re.search(r"^ckpt demo: run (\S+);", out, re.M)
     assert run, out
-    log = (cwd / ".ckpt" / "demo" / run.group(1) / "launch.log").read_text()
-    return log.count("killed during an upload")
+    return (cwd / ".ckpt" / "demo" / run.group(1) / "launch.log").read_text()
+
+
+def sigkills_in_the_launch_log(out: str, cwd: Path) -> int:
+    return launch_log(out, cwd).count("killed during an upload")
 
 
 def hinted_ckpt(out: str) -> str:
@@ -96,6 +99,24 @@ def test_ckpt_demo_reports_what_happened_on_a_new_and_on_a_reused_store(tmp_path
     assert sigkills_reported(second) == sigkills_in_the_launch_log(second, tmp_path) == 0
     assert re.search(r"^SIGKILL drill: +did not fire: .* had nothing to upload", second, re.M)
     assert "lost at step" not in second
+
+
+def test_ckpt_demo_on_two_ranks_restarts_the_group_and_compares_every_rank(
+    tmp_path: Path,
+) -> None:
+    out = demo(tmp_path, "--nproc", "2", "--steps", "12", "--every", "3", "--preemptions", "1")
+    assert "training 12 steps on 2 ranks (DDP, torchrun) under `ckpt launch`" in out
+    assert sigkills_reported(out, sigterms_sent=1) == sigkills_in_the_launch_log(out, tmp_path) == 1
+    assert "preempted at step" in out and "lost at step" in out
+    assert re.search(r"^micro-batches compared: +\d+ per rank on 2 ranks", out, re.M), out
+    assert "identical on every rank (2)" in out
+    # The SIGTERM went to torchrun, which stopped both ranks; rank 0's SIGKILL ended the
+    # group; ckpt launch read both as preemptions and restarted the whole group.
+    log = launch_log(out, tmp_path)
+    assert "ckpt launch: torchrun (stopped by SIGTERM) exited with 1 (preempted)" in log
+    assert "ckpt launch: torchrun exited with 1: rank 0 killed by SIGKILL first (preempted)" in log
+    assert log.count("preempted by SIGTERM") == 2  # each rank, at the same boundary
+    assert log.count("ckpt launch: trainer succeeded") == 1
 
 
 def test_ckpt_without_a_command_explains_itself() -> None:

@@ -2,8 +2,9 @@
 
 Most tests supervise a fake trainer (a small script in tmp_path) that follows a plan, one
 step per attempt: an exit code, ``kill`` (SIGKILL itself), ``wait`` (record the signal it
-gets and exit 143) or ``deaf`` (ignore SIGTERM). The last test supervises the demo trainer,
-kills it, and checks the restarted run ends bit-identical to an uninterrupted one.
+gets and exit 143) or ``deaf`` (ignore SIGTERM). The slow tests supervise the demo trainer,
+kill it, and check the restarted run ends bit-identical to an uninterrupted one; and
+torchrun, with small fake ranks and with the many-rank demo job (``ckpt.agent.demo.ranks``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,20 @@ import pytest
 import torch
 
 from ckpt.agent.demo.compare import differences
-from ckpt.agent.launch import MAX_BACKOFF_SECONDS, Outcome, backoff_seconds, classify
+from ckpt.agent.launch import (
+    MAX_BACKOFF_SECONDS,
+    Outcome,
+    backoff_seconds,
+    classify,
+)
+from ckpt.agent.torchrun import ending, is_torchrun
 from ckpt.cli import main as ckpt
 from tests.conftest import run_trainer
+from tests.ranks_job import load_ranks
 
-# The console script pip installed beside this interpreter.
+# The console scripts pip installed beside this interpreter.
 CKPT = str(Path(sys.executable).parent / "ckpt")
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 FAKE_TRAINER = """
 import json, os, signal, sys, time
@@ -369,3 +378,265 @@ def test_sigterm_to_the_supervisor_lets_the_trainer_save_and_exit_143(tmp_path: 
     assert "preempted by SIGTERM" in logged  # the agent's own exit, not a crash
     assert "exited unexpectedly" not in logged
     assert "attempt 2" not in logged
+
+
+# --- torchrun ------------------------------------------------------------------------------
+
+# The ends of torchrun's stderr (torch 2.13, measured): stopped by SIGTERM; a rank SIGKILLed
+# (the other one, stopped by torchrun, is listed too); a rank that exited 3.
+TORCHRUN_STOPPED = """\
+W1130 14:09:04.983000 12468 torch/distributed/elastic/agent/server/api.py:753] Received 15 \
+death signal, shutting down workers
+Traceback (most recent call last):
+  File "/venv/bin/torchrun", line 8, in <module>
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 12468 got signal: 15
+"""
+
+
+def torchrun_failed(root_rank: int, root_code: str, other_code: str) -> str:
+    """torchrun's ChildFailedError: every failed rank, then the first to fail."""
+
+    def failure(rank: int, code: str) -> str:
+        return f"""\
+  time      : 2026-11-30_14:09:50
+  host      : localhost
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : {code} (pid: 1349{rank})
+  error_file: <N/A>
+"""
+
+    return f"""\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+ckpt.agent.demo.ranks FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+{failure(1 - root_rank, other_code)}-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+{failure(root_rank, root_code)}=======================================================
+"""
+
+
+@pytest.mark.parametrize(
+    ("stderr", "returncode", "outcome", "description"),
+    [
+        (TORCHRUN_STOPPED, -15, Outcome.PREEMPTED, "torchrun (stopped by SIGTERM) exited with 1"),
+        (
+            torchrun_failed(1, "-9 (pid: 13491)  (SIGKILL)", "-15"),
+            -9,
+            Outcome.PREEMPTED,
+            "torchrun exited with 1: rank 1 killed by SIGKILL first",
+        ),
+        (
+            torchrun_failed(0, "143", "-15"),
+            143,
+            Outcome.PREEMPTED,
+            "torchrun exited with 1: rank 0 exited with 143 first",
+        ),
+        (
+            torchrun_failed(1, "3", "-15 (pid: 4433)  (SIGTERM)"),
+            3,
+            Outcome.CRASHED,
+            "torchrun exited with 1: rank 1 exited with 3 first",
+        ),
+        (
+            "Traceback ...\nValueError: bad --nnodes\n",
+            1,
+            Outcome.CRASHED,
+            "torchrun exited with 1",
+        ),
+    ],
+    ids=["stopped", "rank-killed", "rank-preempted", "rank-crashed", "torchrun-failed"],
+)
+def test_torchrun_exits_1_and_its_last_words_say_how_its_ranks_ended(
+    stderr: str, returncode: int, outcome: Outcome, description: str
+) -> None:
+    ended = ending(1, torchrun_stderr=f"rank 0: some output\n{stderr}")
+    assert (ended.returncode, ended.description) == (returncode, description)
+    assert classify(ended.returncode) is outcome
+
+
+def test_a_torchrun_that_succeeded_or_was_killed_is_read_by_its_code() -> None:
+    assert ending(0, torchrun_stderr=TORCHRUN_STOPPED).returncode == 0
+    assert ending(-9, torchrun_stderr=TORCHRUN_STOPPED) == ending(-9, torchrun_stderr="")
+    assert ending(-9, torchrun_stderr="").description == "torchrun killed by SIGKILL"
+    assert ending(143).description == "trainer exited with 143"
+
+
+def test_which_commands_are_torchrun() -> None:
+    assert is_torchrun(["torchrun", "--nproc-per-node", "2", "train.py"])
+    assert is_torchrun(["/venv/bin/torchrun", "-m", "train"])
+    assert is_torchrun(["python", "-m", "torch.distributed.run", "train.py"])
+    assert not is_torchrun(["python", "train.py", "--torchrun-like"])
+    assert not is_torchrun(["python", "-m", "torch.distributed.launch_helper"])
+
+
+FAKE_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+
+state, plan = Path(sys.argv[1]), sys.argv[2]
+rank = os.environ["RANK"]
+(state / f"rank-{rank}").write_text(str(os.getpid()))
+if plan == "deaf":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if plan == "crash" and rank == "1":
+    sys.exit(3)
+time.sleep(60)  # a signal ends it sooner; an orphan of a failed test, no later
+"""
+
+
+def fake_ranks(root: Path, plan: str) -> tuple[Path, list[str]]:
+    """Two fake ranks under torchrun; the directory where each writes its pid."""
+    script, state = root / "fake_rank.py", root / "ranks"
+    script.write_text(FAKE_RANK)
+    state.mkdir()
+    return state, [TORCHRUN, "--nproc-per-node", "2", str(script), str(state), plan]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")  # a zombie is dead too
+    return not (stat.exists() and stat.read_text().rpartition(")")[2].split()[0] == "Z")
+
+
+@pytest.mark.slow
+def test_a_crashed_torchrun_rank_counts_as_crashed_and_its_code_is_the_exit_code(
+    tmp_path: Path,
+) -> None:
+    _, command = fake_ranks(tmp_path, "crash")
+    done = launch("--max-restarts", "0", "--", *command)
+    assert done.returncode == 3, done.stderr
+    assert (
+        "ckpt launch: torchrun exited with 1: rank 1 exited with 3 first (crashed); "
+        "restart budget spent; exiting with 3"
+    ) in done.stderr
+    assert "ChildFailedError" in done.stderr  # torchrun's own stderr is copied through
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the subreaper is Linux's")
+def test_killing_torchrun_kills_its_ranks_too(tmp_path: Path, supervisors: StartSupervisor) -> None:
+    """torchrun's ranks live in sessions of their own: a SIGKILL of torchrun's group misses
+    them, so the supervisor adopts them (a subreaper) and kills them with the attempt."""
+    state, command = fake_ranks(tmp_path, "deaf")
+    supervisor = supervisors("--", *command)
+    ranks = [state / "rank-0", state / "rank-1"]
+    wait_for(lambda: all(rank.exists() for rank in ranks), what="both ranks", timeout=60)
+    pids = [int(rank.read_text()) for rank in ranks]
+    supervisor.send(signal.SIGTERM)  # torchrun passes it on; the ranks ignore it
+    wait_for(lambda: "forwarding it" in supervisor.logged(), what="the forwarded SIGTERM")
+    supervisor.send(signal.SIGTERM)
+    assert supervisor.wait() == 128 + signal.SIGKILL, supervisor.logged()
+    assert "killing what the trainer left in sessions of their own" in supervisor.logged()
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+RANKS_JOB = ("-m", "ckpt.agent.demo.ranks", "--parallel", "ddp", "--steps", "12", "--every", "2")
+
+
+def torchrun_ranks(store: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        TORCHRUN,
+        "--nproc-per-node",
+        "2",
+        *RANKS_JOB,
+        "--store",
+        str(store),
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def ranks_reference(tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """The many-rank demo job run by torchrun without interruption: each rank's final state."""
+    root = tmp_path_factory.mktemp("ranks-reference")
+    done = subprocess.run(
+        torchrun_ranks(root / "store", root / "out"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    return load_ranks(root / "out", 2)
+
+
+def assert_ranks_bit_exact(reference: list[Any], out: Path) -> None:
+    for rank, (ref, got) in enumerate(zip(reference, load_ranks(out, 2), strict=True)):
+        assert differences(ref, got) == [], f"rank {rank}: {differences(ref, got)}"
+
+
+@pytest.mark.slow
+def test_sigterm_to_launch_stops_every_torchrun_rank_at_a_bundle_and_nothing_restarts(
+    tmp_path: Path, ranks_reference: list[Any]
+) -> None:
+    store, out = tmp_path / "store", tmp_path / "out"
+    supervisor = Supervisor(tmp_path / "launch.log", "--", *torchrun_ranks(store, out))
+    try:
+        bundles = store / "runs" / "ranks" / "bundles"
+        wait_for(lambda: any(bundles.glob("*/manifest.json")), what="a bundle", timeout=120)
+        supervisor.send(signal.SIGTERM)
+        assert supervisor.wait(timeout=120) == 143, supervisor.logged()
+    finally:
+        if supervisor.process.poll() is None:
+            supervisor.process.kill()
+            supervisor.process.wait()
+    logged = supervisor.logged()
+    assert "received SIGTERM; forwarding it to the trainer" in logged
+    assert "torchrun (stopped by SIGTERM) exited with 1 after SIGTERM; exiting with 143" in logged
+    # torchrun does not print its ranks' exit codes when it is stopped; the ranks say theirs.
+    kept = [at or saved for saved, at in STOPPED_AT.findall(logged)]
+    assert len(kept) == 2 and len(set(kept)) == 1, logged  # each rank, at one bundle
+    assert "attempt 2" not in logged
+    assert not list(tmp_path.glob("out.rank*"))  # neither rank ran to the end
+    # That bundle is complete: a fresh torchrun resumes it on both ranks, bit-exactly.
+    resumed = subprocess.run(
+        torchrun_ranks(store, out), capture_output=True, text=True, timeout=300, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert resumed.stdout.count(f"resumed from runs/ranks/bundles/{int(kept[0]):012d}") == 2
+    assert_ranks_bit_exact(ranks_reference, out)
+
+
+# What a rank says as it exits after a signal: the step it stopped at, and the bundle kept
+# (its own position, or an earlier one).
+STOPPED_AT = re.compile(
+    r"preempted by SIGTERM at step (\d+)[^;]*; "
+    r"(?:this position is saved|the last bundle is at step (\d+)[^;]*); exiting with 143"
+)
+
+
+@pytest.mark.slow
+def test_a_rank_sigkilled_under_torchrun_restarts_the_group_which_resumes_bit_exactly(
+    tmp_path: Path, ranks_reference: list[Any]
+) -> None:
+    store, out = tmp_path / "store", tmp_path / "out"
+    # Rank 0 dies at 5.1, once: torchrun stops rank 1 and exits; launch starts it again.
+    drill = ("--kill-at", "5.1", "--kill-rank", "0", "--drill-marker", str(tmp_path / "killed"))
+    supervisor = Supervisor(
+        tmp_path / "launch.log",
+        *("--max-restarts", "1", "--backoff", "0.2", "--"),
+        *torchrun_ranks(store, out, *drill),
+    )
+    try:
+        assert supervisor.wait(timeout=300) == 0, supervisor.logged()
+    finally:
+        if supervisor.process.poll() is None:
+            supervisor.process.kill()
+            supervisor.process.wait()
+    logged = supervisor.logged()
+    assert (
+        "torchrun exited with 1: rank 0 killed by SIGKILL first (preempted); "
+        "restarting in 0.2 s (0 restarts left)"
+    ) in logged
+    assert "attempt 2 of 2" in logged
+    assert logged.count("ckpt: run ranks: resumed from runs/ranks/bundles/") == 2  # both ranks
+    assert_ranks_bit_exact(ranks_reference, out)

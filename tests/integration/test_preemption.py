@@ -118,18 +118,21 @@ def test_sigterm_saves_at_the_next_boundary_and_the_resume_is_bit_exact(
     assert differences(reference, resumed) == []
 
 
-def test_sigterm_during_a_slow_upload_waits_for_it_and_saves_again(
+def test_sigterm_during_a_slow_upload_waits_for_it_and_keeps_it(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
+    """The save of step 10 is in flight at the signal; the next boundary is 10.1, in the same
+    step: one bundle per step and attempt, so the agent waits for step 10's and keeps it."""
     store = tmp_path / "store"
     first = drill(
         store, tmp_path / "a.pt", *STEPS, *EVERY, "--slow-store", "0.2", "--signal-at", "10.0"
     )
     assert first.rc == EXIT_PREEMPTED, first.stderr[-3000:]
-    assert "this position is saved" in first.stderr
-    assert bundle_steps(store)[-2:] == [5, 10]  # 10 in flight at the signal, then 10.1
+    assert "this process saved step 10 already" in first.stderr
+    assert "the last bundle is at step 10;" in first.stderr
+    assert bundle_steps(store)[-2:] == [5, 10]
     resumed = run_trainer(store, tmp_path / "resumed.pt", *STEPS, *EVERY)
-    assert resumed["positions"][0] == (10, 2)
+    assert resumed["positions"][0] == (10, 1)
     assert differences(reference, resumed) == []
 
 

@@ -91,9 +91,14 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path) -> None:
         assert store.writing.wait(timeout=300)
         os.kill(os.getpid(), signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt):
-        threading.Thread(target=interrupt_once_writing).start()
-        ckpt.wait()  # blocks until the interrupt: the persist cannot end before release
+    # Python's own Ctrl-C handler, whatever an earlier test in this process left installed.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            threading.Thread(target=interrupt_once_writing).start()
+            ckpt.wait()  # blocks until the interrupt: the persist cannot end before release
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not first.done()
     with torch.no_grad():
         model.weight.add_(1.0)

@@ -21,6 +21,8 @@ from sqlalchemy import select
 
 from ckpt.core.contract import RESTORE_ORDER, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
+from ckpt.service.bundles import service as bundles_service
+from ckpt.service.bundles.blobs import stored_sizes
 from ckpt.service.gc import service as gc_service
 from ckpt.service.gc.service import GcReport, collect
 from ckpt.service.models import Blob, Layer, LayerBlob, utcnow
@@ -437,6 +439,34 @@ def test_blob_used_during_the_sweep_is_kept(
             assert response.status_code == 200, response.text
         done = commit(client, bundle_id, attempt["epoch"])
         assert done.status_code == 200, done.text
+
+
+def test_blob_swept_before_its_claim_is_reported_missing(
+    make_server: MakeServer, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/v1/blobs/missing`` finds a blob in the store, and the collector deletes it before
+    the claim lands: the answer is "missing" (the agent uploads it), not "held" (the agent
+    would record a blob that is gone, and its commit would find it missing). Found by the
+    two-replica campaign (tests/integration/test_replicas.py), where saves kept reporting
+    blobs that vanished between ``/missing`` and the commit."""
+    server = make_server(backend, blob_grace_seconds=600)
+    blob = make_layer(server.store)[0].blobs[1]
+    age(server.store, keys.blob_key(blob.sha256), 3600)  # old and unreferenced: collectable
+    collected: list[GcReport] = []
+
+    def collected_after_the_read(*args: Any, **kwargs: Any) -> dict[str, int | None]:
+        found = stored_sizes(*args, **kwargs)
+        if not collected:  # between the store read and the claim
+            collected.append(collect(server.context))
+        return found
+
+    monkeypatch.setattr(bundles_service, "stored_sizes", collected_after_the_read)
+    with server.client() as client:
+        response = client.post("/v1/blobs/missing", json={"blobs": [blob.model_dump()]})
+    assert response.status_code == 200, response.text
+    assert collected[0].deleted_blobs == 1
+    assert not blob_present(server.store, blob.sha256)
+    assert response.json()["missing"] == [blob.sha256]
 
 
 def test_dry_run_changes_nothing(make_server: MakeServer, backend: str, run_name: str) -> None:

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ckpt.service.db import alembic_config, make_engine, upgrade
 from ckpt.service.lineage import AttemptNode, steps_lost, steps_lost_by_attempt
-from ckpt.service.models import Attempt, EndReason, utcnow
+from ckpt.service.models import Attempt, AttemptRank, EndReason, utcnow
 from ckpt.service.runs.attempts import mark_lost
 from ckpt.service.runs.schemas import ReportedEnd
 from ckpt.service.settings import Settings
@@ -212,6 +212,37 @@ def test_a_heartbeat_keeps_an_attempt_alive(server: Server, run_name: str) -> No
             beating
         ]
         assert metric(client, "ckpt_attempts_lost_total") == 2
+
+
+def test_an_attempt_is_lost_when_any_of_its_ranks_goes_silent(
+    server: Server, run_name: str
+) -> None:
+    with server.client() as client:
+        attempt_id = register(client, run_name)["attempt_id"]
+        for rank in (0, 1):
+            beat = client.post(
+                f"/v1/attempts/{attempt_id}/heartbeat", json={"step": 3, "rank": rank}
+            )
+            assert beat.status_code == 200, beat.text
+        with server.context.transaction() as session:  # rank 1's last beat: two minutes ago
+            session.execute(
+                update(AttemptRank)
+                .where(AttemptRank.attempt_id == attempt_id, AttemptRank.rank == 1)
+                .values(heartbeat_at=utcnow() - 2 * LOST_AFTER)
+            )
+        assert (
+            client.post(f"/v1/attempts/{attempt_id}/heartbeat", json={"step": 4}).status_code == 200
+        )
+        assert mark_lost(server.context) == [attempt_id]  # rank 0 beats on; rank 1 died
+        # Rank 0 beating on does not bring back an attempt one of whose ranks is silent.
+        assert (
+            client.post(f"/v1/attempts/{attempt_id}/heartbeat", json={"step": 5}).status_code == 200
+        )
+        assert mark_lost(server.context) == []
+        lineage = client.get(f"/v1/runs/{run_name}/lineage").json()
+        assert lineage["attempts"][0]["end_reason"] == "lost"
+        refused = client.post(f"/v1/attempts/{attempt_id}/heartbeat", json={"rank": 16384})
+        assert refused.status_code == 422
 
 
 def test_an_ended_attempt_is_never_lost(server: Server, run_name: str) -> None:

@@ -57,7 +57,7 @@ def test_patience_bounds_one_call_below_the_client_window(silent_server: str) ->
     client = ControlPlane(silent_server, token=None, retry_seconds=600)
     started = time.monotonic()
     with pytest.raises(ControlPlaneError, match=r"gave up after 0.5 s"):
-        client.heartbeat(1, step=3, patience=0.5)
+        client.heartbeat(1, step=3, rank=0, patience=0.5)
     assert time.monotonic() - started < 10
     client.close()
 

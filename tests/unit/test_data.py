@@ -315,3 +315,23 @@ def test_in_workers_a_resumed_sampler_reproduces_the_draws() -> None:
     assert len(resumed) == 10
     assert resumed == {index: uninterrupted[index] for index in resumed}
     assert all(other_seed[i] != uninterrupted[i] for i in range(16))
+
+
+def test_a_sharded_sampler_splits_every_epoch_among_the_ranks() -> None:
+    shards = [ResumableSampler(10, seed=3, num_replicas=4, rank=rank) for rank in range(4)]
+    orders = [[int(i) for i in sampler] for sampler in shards]
+    assert all(len(order) == 3 for order in orders)  # 10 samples padded to 12
+    seen = [i for order in orders for i in order]
+    assert set(seen) == set(range(10)) and len(seen) == 12
+    whole = [int(i) for i in ResumableSampler(10, seed=3)]
+    assert [order[0] for order in orders] == whole[:4]  # rank r takes every 4th from r
+
+
+def test_a_sharded_position_carries_over_to_another_world_size() -> None:
+    saved = ResumableSampler(16, seed=1, num_replicas=4, rank=2)
+    saved.advance(3)  # 3 of 4 per rank: 12 of 16 in all
+    resumed = ResumableSampler(16, seed=1, num_replicas=2, rank=1)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.offset == 6  # 12 in all, 6 per rank of two
+    with pytest.raises(ValueError, match="rank 2 is not one of the 2 replicas"):
+        ResumableSampler(16, num_replicas=2, rank=2)

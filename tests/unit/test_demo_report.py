@@ -1,5 +1,6 @@
-"""What ``ckpt demo`` prints: commands that work as printed, every attempt, and the SIGKILL
-drill as it happened. (The demo itself runs in tests/integration/test_demo.py.)"""
+"""What ``ckpt demo`` prints: commands that work as printed, every attempt, the SIGKILL
+drill as it happened, and a verdict that covers every rank. (The demo itself runs in
+tests/integration/test_demo.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from ckpt.agent.demo.report import ckpt_command, format_attempt, format_drill
+from ckpt.agent.demo.report import ckpt_command, format_attempt, format_drill, report
 
 
 def executable(path: Path) -> Path:
@@ -116,3 +118,34 @@ def test_format_drill_says_what_happened() -> None:
     skipped = format_drill({"outcome": "nothing to upload", "step": 10}, step=10)
     assert skipped.startswith("did not fire: the bundle of step 10 had nothing to upload")
     assert format_drill(None, step=15).startswith("did not fire: no attempt saved")
+
+
+def rank_state(value: float) -> dict[str, Any]:
+    """A final state as ``ckpt.agent.demo.ranks`` writes it, per rank."""
+    return {
+        "model": {"w": torch.full((2,), value)},
+        "optimizer": {},
+        "lr": [0.1],
+        "scaler": {},
+        "positions": [(1, 1), (2, 0)],
+        "losses": torch.tensor([0.5, 0.25]),
+        "record_lrs": [0.1, 0.1],
+    }
+
+
+def test_the_verdict_on_many_ranks_covers_every_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    facts: dict[str, Any] = {"lineage": {"attempts": []}, "bundles": [], "saves": []}
+    for rank in (0, 1):
+        torch.save(rank_state(rank), tmp_path / f"reference.pt.rank{rank}")
+        torch.save(rank_state(rank), tmp_path / f"final.pt.rank{rank}")
+    assert report(tmp_path, facts, sigterms=0, kill_upload_at=5, nproc=2) == 0
+    out = capsys.readouterr().out
+    assert "micro-batches compared:       2 per rank on 2 ranks (the last attempt's)" in out
+    assert "identical on every rank (2)" in out
+
+    torch.save(rank_state(7), tmp_path / "final.pt.rank1")  # rank 1 alone differs
+    assert report(tmp_path, facts, sigterms=0, kill_upload_at=5, nproc=2) == 1
+    out = capsys.readouterr().out
+    assert "BIT-EXACT: NO\n  - rank 1: parameter/buffer w differs\n" in out

@@ -4,3 +4,33 @@ base           the ``Catalog`` protocol that restore and persist talk to
 store          store-only: the manifests in the store are the catalog
 control_plane  through the control plane (``CKPT_SERVER``): attempts, fencing, lineage
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckpt.agent.catalog.base import Catalog
+from ckpt.agent.catalog.control_plane import ControlPlaneCatalog
+from ckpt.agent.catalog.store import StoreCatalog
+from ckpt.agent.client import ControlPlane
+from ckpt.agent.config import Config
+from ckpt.agent.ranks import Ranks
+from ckpt.core.storage import ObjectStore
+from ckpt.core.tokens import default_token
+
+
+def open_catalog(
+    config: Config, *, store: ObjectStore, ranks: Ranks, step: Callable[[], int]
+) -> Catalog:
+    """The control plane's catalog when ``config.server`` names one, else the store's."""
+    if not config.server:
+        return StoreCatalog(store, run=config.run, ranks=ranks)
+    control = ControlPlane(config.server, token=config.token or default_token())
+    return ControlPlaneCatalog(
+        control,
+        run=config.run,
+        heartbeat_seconds=config.heartbeat_seconds,
+        step=step,
+        ranks=ranks,
+        store_url=store.url,
+    )

@@ -18,7 +18,7 @@ from ckpt.agent.client import ControlPlane, IncompleteCommitError, IntactBlobErr
 from ckpt.agent.manifests import versions
 from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
-from ckpt.core.errors import ControlPlaneError, StoreError
+from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
 
 log = logging.getLogger("ckpt")
 
@@ -97,40 +97,63 @@ class ControlPlaneCatalog:
         return self._commit_new(self.attempt.current(), step, upload)
 
     def _commit_new(self, attempt: Registration, step: int, upload: Upload) -> Manifest:
-        """Open, upload what the store lacks, record every layer, commit. A commit that finds
-        blobs gone (collected while this save deduplicated against them) uploads them again."""
-        bundle_id = self.control.open_bundle(
-            self._run,
-            attempt=attempt,
-            step=step,
-            world_size=self._ranks.world_size,
-            versions=versions(),
+        """Rank 0 opens; every rank uploads what the store lacks and records its layers; once
+        every rank has, rank 0 commits. A commit that finds blobs gone (collected while this
+        save deduplicated against them) has them uploaded again."""
+        bundle_id = self._ranks.from_first(
+            lambda: self.control.open_bundle(
+                self._run,
+                attempt=attempt,
+                step=step,
+                world_size=self._ranks.world_size,
+                versions=versions(),
+            ),
+            timeout=MEET_SECONDS,
         )
-        force: set[str] = set()
-        for round_ in range(_COMMIT_ROUNDS):
+        force: frozenset[str] = frozenset()
+        for _ in range(_COMMIT_ROUNDS):
+            self._record_round(bundle_id, attempt, upload, force)
+            outcome = self._ranks.from_first(
+                lambda: self._commit_once(bundle_id, attempt), timeout=MEET_SECONDS
+            )
+            if isinstance(outcome, Manifest):
+                return outcome
+            if force and outcome <= force:  # written just now, and still not seen
+                raise self._other_store(
+                    f"the control plane does not find {len(outcome)} blob(s) this job has "
+                    "just written"
+                )
+            log.warning(
+                "bundle %d: %d blob(s) vanished; uploading them again", bundle_id, len(outcome)
+            )
+            force = outcome
+        raise ControlPlaneError(
+            f"bundle {bundle_id}: blobs kept vanishing through {_COMMIT_ROUNDS} rounds of "
+            "uploads (is garbage collection running with a grace period shorter than a save?)"
+        )
+
+    def _record_round(
+        self, bundle_id: int, attempt: Registration, upload: Upload, force: frozenset[str]
+    ) -> None:
+        """This rank uploads and records its layers; then every rank learns whether all did."""
+        failure: CkptError | None = None
+        try:
             self._record(bundle_id, attempt, upload(self._held(force)))
-            if not self._ranks.all_ok(True, timeout=MEET_SECONDS):
-                raise ControlPlaneError(f"bundle {bundle_id}: a rank did not record its layers")
-            try:
-                return self._ranks.from_first(
-                    lambda: self.control.commit(bundle_id, epoch=attempt.epoch),
-                    timeout=MEET_SECONDS,
-                )
-            except IncompleteCommitError as err:
-                if force and err.blobs and err.blobs <= force:  # written just now, not seen
-                    raise self._other_store(
-                        f"the control plane does not find {len(err.blobs)} blob(s) this "
-                        "process has just written"
-                    ) from err
-                if not err.blobs or round_ == _COMMIT_ROUNDS - 1:
-                    raise
-                log.warning(
-                    "bundle %d: %d blob(s) vanished; uploading them again",
-                    bundle_id,
-                    len(err.blobs),
-                )
-                force = err.blobs
-        raise AssertionError("unreachable: the last round returns or raises")
+        except CkptError as err:
+            failure = err
+        if not self._ranks.all_ok(failure is None, timeout=MEET_SECONDS):
+            if failure is not None:
+                raise failure
+            raise RankError(f"bundle {bundle_id}: another rank failed to record its layers")
+
+    def _commit_once(self, bundle_id: int, attempt: Registration) -> Manifest | frozenset[str]:
+        """The committed manifest, or the blobs the commit found missing."""
+        try:
+            return self.control.commit(bundle_id, epoch=attempt.epoch)
+        except IncompleteCommitError as err:
+            if not err.blobs:
+                raise
+            return frozenset(err.blobs)
 
     def _other_store(self, problem: str) -> ControlPlaneError:
         """The agent and the control plane do not see the same store: say so, and how to fix
@@ -146,7 +169,7 @@ class ControlPlaneCatalog:
             + ("; for S3, also the same CKPT_S3_ENDPOINT" if same_url else "")
         )
 
-    def _held(self, force: set[str]) -> Callable[[list[BlobRef]], set[str]]:
+    def _held(self, force: frozenset[str]) -> Callable[[list[BlobRef]], set[str]]:
         """Which blobs the store holds, by the control plane, less those to upload anyway."""
 
         def held(blobs: list[BlobRef]) -> set[str]:

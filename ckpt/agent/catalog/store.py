@@ -9,7 +9,7 @@ job per run name.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -17,8 +17,8 @@ from ckpt.agent.catalog.base import Upload
 from ckpt.agent.manifests import latest_manifest, write_manifest
 from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.agent.upload import HeldBlobs
-from ckpt.core.contract import BlobRef, Manifest, SaveFigures
-from ckpt.core.errors import BundleExistsError, StoreError
+from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, RankRecord, SaveFigures
+from ckpt.core.errors import BundleExistsError, CkptError, RankError, StoreError
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
 
@@ -32,14 +32,18 @@ class StoreCatalog:
         self._verified: set[str] = set()  # blobs known to be intact in the store
 
     def resumable(self, run: str, *, own: bool) -> Manifest | None:
-        return latest_manifest(self._store, run)
+        return self._ranks.from_first(
+            lambda: latest_manifest(self._store, run), timeout=MEET_SECONDS
+        )
 
     def fall_back(
         self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
     ) -> Manifest | None:
         if own:  # the rotten bundle's step is saved again, replacing it
             self._own_steps.add(manifest.step)
-        return latest_manifest(self._store, run, below=manifest.step)
+        return self._ranks.from_first(
+            lambda: latest_manifest(self._store, run, below=manifest.step), timeout=MEET_SECONDS
+        )
 
     def verified(self, blobs: Iterable[str]) -> None:
         self._verified.update(blobs)
@@ -59,18 +63,46 @@ class StoreCatalog:
         self._own_steps.add(step)
 
     def commit(self, upload: Upload, *, step: int) -> Manifest:
-        records = upload(store_held(self._store, self._verified))
-        self._verified.update(b.sha256 for record in records.values() for b in record.blobs)
+        """Every rank uploads its layers (and, in a job of many ranks, writes its rank record
+        next to the manifest); once every rank has, rank 0 writes the manifest, last."""
+        failure: CkptError | None = None
+        try:
+            records = upload(store_held(self._store, self._verified))
+            self._verified.update(b.sha256 for record in records.values() for b in record.blobs)
+            if self._ranks.world_size > 1:
+                self._put_rank_record(step, records)
+        except CkptError as err:
+            failure = err
+        if not self._ranks.all_ok(failure is None, timeout=MEET_SECONDS):
+            if failure is not None:
+                raise failure
+            raise RankError(f"run {self._run} step {step}: another rank failed to save")
         return self._ranks.from_first(
             lambda: write_manifest(
                 self._store,
                 run=self._run,
                 step=step,
                 world_size=self._ranks.world_size,
-                ranks={self._ranks.rank: records},
+                ranks=self._rank_records(step, records),
             ),
             timeout=MEET_SECONDS,
         )
+
+    def _put_rank_record(self, step: int, records: Mapping[Layer, LayerRecord]) -> None:
+        record = RankRecord(rank=self._ranks.rank, layers=dict(records))
+        key = keys.rank_record_key(self._run, step, self._ranks.rank)
+        self._store.put(key, [record.model_dump_json().encode()])
+
+    def _rank_records(
+        self, step: int, mine: Mapping[Layer, LayerRecord]
+    ) -> dict[int, Mapping[Layer, LayerRecord]]:
+        """Every rank's records: this rank's, and the others' from their rank records."""
+        found: dict[int, Mapping[Layer, LayerRecord]] = {self._ranks.rank: mine}
+        for rank in range(self._ranks.world_size):
+            if rank not in found:
+                data = self._store.get(keys.rank_record_key(self._run, step, rank))
+                found[rank] = RankRecord.model_validate_json(data).layers
+        return found
 
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
         return None  # the figures are logged; there is no catalog to keep them

@@ -18,13 +18,18 @@ from ckpt.agent.demo.compare import differences
 DRILL_RECORD = "sigkill-drill.json"  # what the SIGKILL drill did, written by the trainer
 
 
-def report(work: Path, facts: dict[str, Any], *, sigterms: int, kill_upload_at: int) -> int:
-    """Print what happened and the comparison; 0 when bit-identical to the reference."""
+def report(
+    work: Path, facts: dict[str, Any], *, sigterms: int, kill_upload_at: int, nproc: int = 1
+) -> int:
+    """Print what happened and the comparison; 0 when bit-identical to the reference.
+
+    With ``nproc`` > 1 every rank's final state (``final.pt.rank<R>``) is compared with the
+    reference's, and the verdict covers them all.
+    """
     attempts = facts["lineage"]["attempts"]
     drill = _drill_record(work)
     sigkills = int(drill is not None and drill["outcome"] == "killed")
-    final: dict[str, Any] = torch.load(work / "final.pt", weights_only=True)
-    reference: dict[str, Any] = torch.load(work / "reference.pt", weights_only=True)
+    finals, references = _states(work / "final.pt", nproc), _states(work / "reference.pt", nproc)
     stored = sum(save["payload_bytes"] for save in facts["saves"])
     uploaded = sum(save["new_bytes"] for save in facts["saves"])
     print()
@@ -40,15 +45,41 @@ def report(work: Path, facts: dict[str, Any], *, sigterms: int, kill_upload_at: 
         f"bytes:                        {stored} in bundles, {uploaded} uploaded "
         f"({stored - uploaded} deduplicated)"
     )
-    print(f"micro-batches compared:       {len(final['positions'])} (the last attempt's)")
-    found = differences(reference, final)
+    print(f"micro-batches compared:       {_compared(finals)} (the last attempt's)")
+    found = _differences(references, finals)
     if found:
         print("BIT-EXACT: NO")
         for item in found:
             print(f"  - {item}")
         return 1
-    print("BIT-EXACT: yes - every parameter, optimizer tensor, LR and loss is identical")
+    every = "" if nproc == 1 else f" on every rank ({nproc})"
+    print(f"BIT-EXACT: yes - every parameter, optimizer tensor, LR and loss is identical{every}")
     return 0
+
+
+def _states(path: Path, nproc: int) -> list[dict[str, Any]]:
+    """The final state of each rank: ``path`` itself for one, ``path.rank<R>`` for many."""
+    paths = [path] if nproc == 1 else [Path(f"{path}.rank{rank}") for rank in range(nproc)]
+    return [torch.load(each, weights_only=True) for each in paths]
+
+
+def _compared(finals: list[dict[str, Any]]) -> str:
+    counts = {len(final["positions"]) for final in finals}
+    if len(finals) == 1:
+        return str(counts.pop())
+    per_rank = counts.pop() if len(counts) == 1 else "/".join(map(str, sorted(counts)))
+    return f"{per_rank} per rank on {len(finals)} ranks"
+
+
+def _differences(references: list[dict[str, Any]], finals: list[dict[str, Any]]) -> list[str]:
+    """What differs, rank by rank (named when there are many)."""
+    if len(finals) == 1:
+        return differences(references[0], finals[0])
+    return [
+        f"rank {rank}: {item}"
+        for rank, (reference, final) in enumerate(zip(references, finals, strict=True))
+        for item in differences(reference, final)
+    ]
 
 
 def _drill_record(work: Path) -> dict[str, Any] | None:

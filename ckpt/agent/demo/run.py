@@ -9,6 +9,12 @@ run with the same seed and checks that both end bit-identical (``report``).
 The SIGKILL is the trainer's own (``train.py --kill-during-upload``): it records in
 ``.ckpt/demo/<run>/sigkill-drill.json`` whether it fired, so that the report states what
 happened, also on a store that already holds the bundle it aims at.
+
+With ``--nproc N`` (N > 1) the job is the many-rank one (``ranks.py``, DDP or FSDP2 on
+gloo) under ``torchrun --nproc-per-node N``: the chaos loop's SIGTERMs go to torchrun, which
+passes them on to every rank, the SIGKILL takes rank 0 in its upload (torchrun then stops
+the other ranks), ``ckpt launch`` restarts the whole group, and every rank's final state is
+compared with the reference's.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ attempt resumes through the control plane. Then it trains the same job without
 interruption and checks that both runs end bit-identical: every parameter,
 optimizer tensor, learning rate and loss.
 
+With --nproc N (N > 1) the job runs on N ranks under torchrun on this machine
+(DDP, or FSDP2 with --parallel fsdp; gloo on the CPU): every SIGTERM reaches
+all ranks, the SIGKILL takes rank 0, the whole group restarts together, and
+every rank's final state is compared.
+
 Writes everything under ./.ckpt (catalog, bundles, admin token; logs in
 ./.ckpt/demo/RUN). Prints each attempt and how it ended, the bundles and bytes
 saved, the comparison, and the commands that ask the control plane about the
@@ -58,6 +69,8 @@ class Plan:
     every: int
     preemptions: int
     kill_upload_at: int  # the step whose upload is killed with SIGKILL
+    nproc: int = 1  # ranks; more than one: ranks.py under torchrun
+    parallel: str = "ddp"  # how ranks.py shares the model: ddp or fsdp
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -80,9 +93,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=None, help="seed of the chaos (default: a new one each run)"
     )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks: more than 1 trains DDP or FSDP2 under torchrun on this machine (default 1)",
+    )
+    parser.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="with --nproc > 1: replicate the model (ddp) or shard it (fsdp) (default ddp)",
+    )
     args = parser.parse_args(argv)
     if args.every < 1 or args.steps < 3 * args.every:
         parser.error(f"--steps must be at least 3 x --every (got {args.steps}, {args.every})")
+    if args.nproc < 1:
+        parser.error(f"--nproc must be at least 1 (got {args.nproc})")
     return args
 
 
@@ -95,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         every=args.every,
         preemptions=args.preemptions,
         kill_upload_at=args.every * chooser.randrange(1, args.steps // args.every),
+        nproc=args.nproc,
+        parallel=args.parallel,
     )
     work = Path(".ckpt") / "demo" / plan.run
     work.mkdir(parents=True, exist_ok=True)
@@ -102,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _control_plane(args, work) as (url, token):
         print(f"1. control plane at {url}")
         print(
-            f"2. training {plan.steps} steps under `ckpt launch`, saving every {plan.every}; "
+            f"2. training {plan.steps} steps{_on_ranks(plan)} under `ckpt launch`, saving "
+            f"every {plan.every}; "
             f"{plan.preemptions} SIGTERMs at random steps and a SIGKILL in the middle of "
             f"the upload of the bundle of step {plan.kill_upload_at}"
         )
@@ -117,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         facts = _facts(url, token, plan.run)
     print("3. a reference run trains the same job without interruption")
     _reference(plan, work)
-    code = report(work, facts, sigterms=signals, kill_upload_at=plan.kill_upload_at)
+    code = report(
+        work, facts, sigterms=signals, kill_upload_at=plan.kill_upload_at, nproc=plan.nproc
+    )
     print_next_steps(url if args.server else None, plan.run, ckpt=ckpt_here())
     return code
 
@@ -167,7 +199,37 @@ def _wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
     raise SystemExit(f"ckpt server did not become ready:\n{log.read_text()[-2000:]}")
 
 
+def _on_ranks(plan: Plan) -> str:
+    if plan.nproc == 1:
+        return ""
+    return f" on {plan.nproc} ranks ({plan.parallel.upper()}, torchrun)"
+
+
 def _trainer(plan: Plan, store: str, out: Path, *extra: str) -> list[str]:
+    """The training command: ``train.py``, or ``ranks.py`` under torchrun for many ranks.
+
+    ``ranks.py`` takes the run's name from ``CKPT_RUN`` (``_job_env``): torchrun would read
+    a ``--run`` as its own ``--run-path``.
+    """
+    if plan.nproc > 1:
+        return [
+            *_torchrun(),
+            "--nproc-per-node",
+            str(plan.nproc),
+            "-m",
+            "ckpt.agent.demo.ranks",
+            "--parallel",
+            plan.parallel,
+            "--store",
+            store,
+            "--out",
+            str(out),
+            "--steps",
+            str(plan.steps),
+            "--total-steps",
+            str(plan.steps + 20),
+            *extra,
+        ]
     return [
         sys.executable,
         "-m",
@@ -184,6 +246,17 @@ def _trainer(plan: Plan, store: str, out: Path, *extra: str) -> list[str]:
         str(plan.steps + 20),
         *extra,
     ]
+
+
+def _torchrun() -> list[str]:
+    """torchrun of this installation: the console script beside this Python, if any."""
+    beside = Path(sys.executable).parent / "torchrun"
+    return [str(beside)] if beside.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _job_env(plan: Plan, run: str) -> dict[str, str]:
+    """What the training command needs in its environment besides the caller's."""
+    return {"CKPT_RUN": run} if plan.nproc > 1 else {}
 
 
 def _train_with_chaos(
@@ -221,6 +294,7 @@ def _train_with_chaos(
     ]
     env = {
         **os.environ,
+        **_job_env(plan, plan.run),
         "CKPT_SERVER": url,
         "CKPT_GRACE_SECONDS": str(GRACE_SECONDS),
         "CKPT_HEARTBEAT_SECONDS": "0.2",  # the chaos loop aims by the steps they report
@@ -235,9 +309,12 @@ def _train_with_chaos(
     ):
         launch = subprocess.Popen(command, env=env, stdout=log, stderr=log)
         sent = 0
+        trainers: dict[int, str] = {}  # epoch -> the pid file's trainer that ran it
         while launch.poll() is None:
             time.sleep(0.1)
-            if sent < len(targets) and _preempt_at(targets[sent], client, plan.run, pid_file):
+            if sent < len(targets) and _preempt_at(
+                targets[sent], client, plan.run, pid_file=pid_file, trainers=trainers
+            ):
                 sent += 1
                 print(
                     f"   SIGTERM {sent} of {len(targets)} sent (step {targets[sent - 1]} or later)"
@@ -259,12 +336,21 @@ def _await_restart(pid_file: Path, launch: subprocess.Popen[bytes]) -> None:
         time.sleep(0.1)
 
 
-def _preempt_at(step: int, client: httpx.Client, run: str, pid_file: Path) -> bool:
-    """SIGTERM the trainer once its live attempt reports ``step``; whether it was sent."""
+def _preempt_at(
+    step: int, client: httpx.Client, run: str, *, pid_file: Path, trainers: dict[int, str]
+) -> bool:
+    """SIGTERM the trainer once its live attempt reports ``step``; whether it was sent.
+
+    ``trainers`` maps each attempt's epoch to the trainer that ran it (the pid file when the
+    epoch was first seen): an attempt that was killed never ends in the lineage, and the
+    trainer started after it must not be signalled for the steps it reported.
+    """
     with suppress(httpx.HTTPError, OSError, ValueError, KeyError, IndexError, TypeError):
         attempt = client.get(f"/v1/runs/{run}/lineage").json()["attempts"][-1]
-        if attempt["ended_at"] is None and (attempt["last_step"] or 0) >= step:
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        trainer = pid_file.read_text()
+        live = trainers.setdefault(attempt["epoch"], trainer) == trainer
+        if live and attempt["ended_at"] is None and (attempt["last_step"] or 0) >= step:
+            os.kill(int(trainer), signal.SIGTERM)
             return True
     return False
 
@@ -291,9 +377,12 @@ def _facts(url: str, token: str | None, run: str) -> dict[str, Any]:
 
 
 def _reference(plan: Plan, work: Path) -> None:
+    run = f"{plan.run}-reference"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    env.update(_job_env(plan, run))
     command = _trainer(plan, str(work / "reference-store"), work / "reference.pt")
-    command[command.index("--run") + 1] = f"{plan.run}-reference"
+    if plan.nproc == 1:
+        command[command.index("--run") + 1] = run
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"the reference run failed:\n{done.stderr[-3000:]}")

@@ -240,20 +240,20 @@ def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> N
         counters.micro_step = 0
 
 
-def finish_drill(job: Job, saved: PendingSave | None) -> None:
+def finish_drill(store: DrillStore, saved: PendingSave | None) -> None:
     """Wait for the bundle the SIGKILL drill aims at, then disarm it.
 
     Uploading one of its blobs kills the process (``DrillStore.put``), so coming back here
     means it had none to upload: the store already held every one (deduplicated), as it
     does when an earlier run saved the same state. That is recorded, not hidden.
     """
-    step = job.store.kill_in_upload_of
+    step = store.kill_in_upload_of
     assert step is not None
     if saved is not None:
         saved.wait()
         print(f"SIGKILL drill: the bundle of step {step} had no blob to upload", flush=True)
-        record_drill(job.store.marker, outcome="nothing to upload", step=step)
-    job.store.kill_in_upload_of = None
+        record_drill(store.marker, outcome="nothing to upload", step=step)
+    store.kill_in_upload_of = None
 
 
 def save_and_maybe_die(job: Job, *, kill: bool) -> None:
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 time.sleep(args.pause_at[1])
             saved = job.ckpt.maybe_save()
             if drill:
-                finish_drill(job, saved)
+                finish_drill(job.store, saved)
             if position == args.signal_at:
                 print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ckpt.agent.format.dtypes import DTYPES
+from ckpt.agent.format.sharding import Block
 from ckpt.core.errors import BundleFormatError, UnrepresentableStateError
 
 JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | None
@@ -51,6 +52,8 @@ class _Encoder:
             return int(value)
         if isinstance(value, float):
             return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
+        if _is_dtensor(value):
+            return self._encode_dtensor(value, path)
         if isinstance(value, torch.Tensor):
             return {"$tensor": self._tensor_name(value, path)}
         if isinstance(value, list):
@@ -77,6 +80,29 @@ class _Encoder:
                 "use str, int, float, bool, None or tuples of them"
             )
         return self.encode(key, (*path, "<key>"))
+
+    def _encode_dtensor(self, value: Any, path: KeyPath) -> JSON:
+        """A tensor sharded over ranks (FSDP2): this rank's block, and where it lies in the
+        whole (decoded as a ``sharding.Block``)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if not all(isinstance(p, Shard | Replicate) for p in value.placements):
+            raise UnrepresentableStateError(
+                f"{render_path(path)}: a DTensor placed {value.placements} cannot be stored; "
+                "only Shard and Replicate placements (FSDP2's) are"
+            )
+        local = value.to_local()
+        _, offset = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        return {
+            "$dtensor": {
+                "local": self._tensor_name(local, path),
+                "shape": list(value.shape),
+                "offset": list(offset),
+            }
+        }
 
     def _encode_numpy_scalar(self, value: np.generic, path: KeyPath) -> JSON:
         if value.dtype.kind not in _NUMPY_KINDS:
@@ -135,6 +161,12 @@ class _Encoder:
         self.tensors[name] = tensor
         self._names[memory] = name
         return name
+
+
+def _is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing it
+    for processes that never use one)."""
+    return isinstance(value, torch.Tensor) and type(value).__name__ == "DTensor"
 
 
 def _memory_identity(tensor: torch.Tensor) -> tuple[object, ...]:
@@ -198,6 +230,7 @@ class _Decoder:
             "$bytes": self._bytes,
             "$dtype": self._dtype,
             "$device": lambda text: torch.device(_expect(text, str)),
+            "$dtensor": self._dtensor,
         }
 
     def decode(self, value: JSON) -> object:
@@ -222,6 +255,15 @@ class _Decoder:
             raise BundleFormatError(
                 f"the skeleton references tensor {name!r}, which the payload lacks"
             ) from None
+
+    def _dtensor(self, fields: JSON) -> Block:
+        record = _expect(fields, dict)
+        shape, offset = _expect(record.get("shape"), list), _expect(record.get("offset"), list)
+        if not all(type(n) is int for n in (*shape, *offset)):
+            raise BundleFormatError("$dtensor shape and offset must be lists of integers")
+        return Block(
+            shape=tuple(shape), offset=tuple(offset), data=self._tensor(record.get("local"))
+        )
 
     def _dict(self, pairs: JSON) -> dict[object, object]:
         result: dict[object, object] = {}

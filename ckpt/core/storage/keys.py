@@ -2,6 +2,8 @@
 
     blobs/sha256/<2 hex>/<64 hex>               content-addressed blob (shared by all runs)
     runs/<run>/bundles/<step:012d>/manifest.json  a bundle's commit record
+    runs/<run>/bundles/<step:012d>/rank-<rank:05d>.json
+                                                one rank's record, store-only, many ranks
 
 The hash prefix spreads blobs over S3 partitions; the zero-padded step makes a listing of
 a run's manifests sort by step.
@@ -35,6 +37,12 @@ def bundles_prefix(run: str) -> str:
 
 def manifest_key(run: str, step: int) -> str:
     return f"{bundles_prefix(run)}{step:012d}/manifest.json"
+
+
+def rank_record_key(run: str, step: int, rank: int) -> str:
+    """Where one rank of a job of many ranks leaves its layers' records, store-only, for
+    rank 0 to gather into the manifest."""
+    return f"{bundles_prefix(run)}{step:012d}/rank-{rank:05d}.json"
 
 
 def manifest_step(key: str) -> int | None:

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
@@ -18,8 +16,6 @@ from ckpt.service.bundles.schemas import (
     BundlePatch,
     Commit,
     Committed,
-    IncompleteBody,
-    IntactBody,
     LayerPut,
     Quarantine,
     RecordedLayer,
@@ -27,14 +23,28 @@ from ckpt.service.bundles.schemas import (
     Unquarantine,
 )
 from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RankPath, RunPath
+from ckpt.service.errors import (
+    ConflictError,
+    FencedError,
+    ForbiddenError,
+    IncompleteError,
+    IntactError,
+    InvalidRequestError,
+    NotFoundError,
+    StoreUnavailableError,
+    responses,
+)
 
 router = APIRouter(prefix="/v1", tags=["bundles"])
-CONFLICTS: dict[int | str, dict[str, Any]] = {
-    409: {"description": "fenced, or the catalog's state forbids it"}
-}
+# A write to a bundle: refused for another run's token, a missing bundle, a bad body.
+WRITE = (ForbiddenError, NotFoundError, InvalidRequestError)
 
 
-@router.post("/runs/{run}/bundles", status_code=201, responses=CONFLICTS)
+@router.post(
+    "/runs/{run}/bundles",
+    status_code=201,
+    responses=responses(*WRITE, FencedError, ConflictError),
+)
 def open_bundle(
     run: RunPath, request: BundleOpen, principal: PrincipalDep, context: ContextDep
 ) -> BundleOut:
@@ -42,7 +52,10 @@ def open_bundle(
     return service.open_bundle(context, principal, name=run, request=request)
 
 
-@router.put("/bundles/{bundle}/layers/{rank}/{layer}", responses=CONFLICTS)
+@router.put(
+    "/bundles/{bundle}/layers/{rank}/{layer}",
+    responses=responses(*WRITE, FencedError, ConflictError),
+)
 def record_layer(
     *,
     bundle: IdPath,
@@ -58,7 +71,7 @@ def record_layer(
     )
 
 
-@router.put("/bundles/{bundle}/saves/{rank}")
+@router.put("/bundles/{bundle}/saves/{rank}", responses=responses(*WRITE))
 def report_save(
     *,
     bundle: IdPath,
@@ -71,7 +84,11 @@ def report_save(
     return service.report_save(context, principal, bundle_id=bundle, rank=rank, figures=figures)
 
 
-@router.post("/blobs/missing", openapi_extra=json_body(BlobsQuery))
+@router.post(
+    "/blobs/missing",
+    openapi_extra=json_body(BlobsQuery),
+    responses=responses(ForbiddenError, InvalidRequestError, StoreUnavailableError),
+)
 async def blobs_missing(
     request: Request, principal: PrincipalDep, context: ContextDep
 ) -> BlobsMissing:
@@ -83,7 +100,7 @@ async def blobs_missing(
 
 @router.post(
     "/bundles/{bundle}/commit",
-    responses={409: {"model": IncompleteBody, "description": "incomplete, or fenced"}},
+    responses=responses(*WRITE, FencedError, IncompleteError, ConflictError, StoreUnavailableError),
 )
 def commit(
     bundle: IdPath, request: Commit, principal: PrincipalDep, context: ContextDep
@@ -92,7 +109,9 @@ def commit(
     return commit_bundle(context, principal, bundle_id=bundle, request=request)
 
 
-@router.get("/bundles/{bundle}")
+@router.get(
+    "/bundles/{bundle}", responses=responses(ForbiddenError, NotFoundError, InvalidRequestError)
+)
 def get_bundle(bundle: IdPath, principal: PrincipalDep, context: ContextDep) -> BundleOut:
     """Manifest, status and per-rank per-layer completeness of a bundle."""
     return service.get_bundle(context, principal, bundle_id=bundle)
@@ -100,7 +119,7 @@ def get_bundle(bundle: IdPath, principal: PrincipalDep, context: ContextDep) -> 
 
 @router.post(
     "/bundles/{bundle}/quarantine",
-    responses={409: {"model": IntactBody, "description": "intact, fenced, or not complete"}},
+    responses=responses(*WRITE, FencedError, IntactError, ConflictError, StoreUnavailableError),
 )
 def quarantine(
     bundle: IdPath, request: Quarantine, principal: PrincipalDep, context: ContextDep
@@ -113,7 +132,7 @@ def quarantine(
 
 @router.post(
     "/bundles/{bundle}/unquarantine",
-    responses={409: {"model": IncompleteBody, "description": "a blob is still bad"}},
+    responses=responses(*WRITE, IncompleteError, ConflictError, StoreUnavailableError),
 )
 def unquarantine(
     bundle: IdPath,
@@ -127,7 +146,7 @@ def unquarantine(
     )
 
 
-@router.patch("/bundles/{bundle}")
+@router.patch("/bundles/{bundle}", responses=responses(*WRITE))
 def patch_bundle(
     bundle: IdPath, patch: BundlePatch, principal: PrincipalDep, context: ContextDep
 ) -> BundleOut:

@@ -6,7 +6,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from ckpt.core.contract import SHA256_HEX, BlobRef, LayerRecord, Manifest, Versions
-from ckpt.service.completeness import Missing, Part
+from ckpt.service.completeness import Part
 from ckpt.service.names import MAX_ID, Id, Reason, Step
 
 Epoch = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
@@ -71,14 +71,6 @@ class Unquarantine(_Request):
     reason: Reason | None = None
 
 
-class IntactBody(BaseModel):
-    """The body of a 409 ``intact`` quarantine: the store's copy of the blob is whole."""
-
-    error: str = "intact"
-    message: str
-    blob: str
-
-
 class BundlePatch(_Request):
     pinned: bool
 
@@ -122,11 +114,3 @@ class BundleOut(BaseModel):
 class Committed(BaseModel):
     bundle: BundleOut
     head_id: int | None
-
-
-class IncompleteBody(BaseModel):
-    """The body of a 409 ``incomplete`` commit (documented for clients)."""
-
-    error: str = "incomplete"
-    message: str
-    missing: Missing

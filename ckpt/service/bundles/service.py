@@ -124,10 +124,14 @@ def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> 
     with context.transaction() as session:
         candidates = _candidates(session, principal, shas=sizes)
     found = stored_sizes(context.store, candidates)
-    held = {sha: sizes[sha] for sha in candidates if found[sha] == sizes[sha]}
+    present = {sha: sizes[sha] for sha in candidates if found[sha] == sizes[sha]}
     with context.transaction() as session:
-        repository.claim_blobs(session, sizes=held)
-    return BlobsMissing(missing=sorted(set(sizes) - set(held)))
+        repository.claim_blobs(session, sizes=present)
+    # Garbage collection may have deleted one between the read and the claim (it decides
+    # under the blob's row lock, which the claim takes): read again what was claimed.
+    again = stored_sizes(context.store, present)
+    held = {sha for sha, size in present.items() if again[sha] == size}
+    return BlobsMissing(missing=sorted(set(sizes) - held))
 
 
 def _candidates(session: Session, principal: Principal, *, shas: Collection[str]) -> list[str]:

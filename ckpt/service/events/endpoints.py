@@ -5,6 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RunPath
+from ckpt.service.errors import ForbiddenError, InvalidRequestError, NotFoundError, responses
 from ckpt.service.events import service
 from ckpt.service.events.schemas import EventPage
 
@@ -14,9 +15,10 @@ AfterQuery = Annotated[
     int | None, Query(ge=0, le=2**62, description="the previous page's next: events after it")
 ]
 LimitQuery = Annotated[int, Query(ge=1, le=1000, description="events a page holds")]
+ERRORS = responses(ForbiddenError, NotFoundError, InvalidRequestError)
 
 
-@router.get("/bundles/{bundle}/events")
+@router.get("/bundles/{bundle}/events", responses=ERRORS)
 def bundle_events(
     bundle: IdPath,
     principal: PrincipalDep,
@@ -28,7 +30,7 @@ def bundle_events(
     return service.bundle_events(context, principal, bundle_id=bundle, after=after, limit=limit)
 
 
-@router.get("/runs/{run}/events")
+@router.get("/runs/{run}/events", responses=ERRORS)
 def run_events(
     run: RunPath,
     principal: PrincipalDep,

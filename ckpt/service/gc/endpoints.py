@@ -5,13 +5,19 @@ from fastapi.concurrency import run_in_threadpool
 
 from ckpt.service.auth.service import require_admin
 from ckpt.service.deps import ContextDep, PrincipalDep
+from ckpt.service.errors import (
+    ForbiddenError,
+    InvalidRequestError,
+    StoreUnavailableError,
+    responses,
+)
 from ckpt.service.gc import service
 from ckpt.service.gc.service import GcReport
 
 router = APIRouter(prefix="/v1", tags=["gc"])
 
 
-@router.post("/gc")
+@router.post("/gc", responses=responses(ForbiddenError, InvalidRequestError, StoreUnavailableError))
 async def collect(principal: PrincipalDep, context: ContextDep, dry_run: bool = False) -> GcReport:
     """Run retention and garbage collection now (admin only)."""
     require_admin(principal)

@@ -67,14 +67,21 @@ def heartbeat(
         if attempt.epoch != run.epoch:
             raise FencedError(
                 f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
-                f"epoch {run.epoch}; stop writing and exit"
+                f"epoch {run.epoch}; stop writing and exit",
+                run_epoch=run.epoch,
             )
         if beat.step is not None:
             _check_advance(session, attempt, beat.step, limit=context.settings.max_step_advance)
         attempt.heartbeat_at = utcnow()
+        repository.beat_rank(
+            session, attempt_id=attempt.id, rank=beat.rank, at=attempt.heartbeat_at
+        )
         if beat.step is not None:
             attempt.last_step = beat.step
-        if attempt.end_reason == EndReason.LOST:  # it was alive after all (a partition)
+        silent_since = attempt.heartbeat_at - timedelta(seconds=context.settings.lost_after_seconds)
+        if attempt.end_reason == EndReason.LOST and not repository.rank_silent(
+            session, attempt_id=attempt.id, silent_since=silent_since
+        ):  # it was alive after all (a partition), every rank of it
             attempt.ended_at = attempt.end_reason = None
         # Not fenced, so no successor has registered: nothing is lost yet.
         return attempt_out(attempt, run, steps_lost=None)
@@ -107,7 +114,8 @@ def end_attempt(
 
 def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
     """End as lost every attempt that has not ended and whose last heartbeat (or, without
-    one, its registration) is older than ``lost_after_seconds`` at ``now``; one transaction.
+    one, its registration), or the last heartbeat of any of its ranks, is older than
+    ``lost_after_seconds`` at ``now``; one transaction.
     Returns their ids. The server runs it periodically; tests pass a ``now`` of their own.
     """
     now = now or utcnow()

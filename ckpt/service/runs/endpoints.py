@@ -5,6 +5,14 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ckpt.service.deps import ContextDep, IdPath, PrincipalDep, RunPath
+from ckpt.service.errors import (
+    ConflictError,
+    FencedError,
+    ForbiddenError,
+    InvalidRequestError,
+    NotFoundError,
+    responses,
+)
 from ckpt.service.names import PRINTABLE
 from ckpt.service.runs import attempts, service
 from ckpt.service.runs.schemas import (
@@ -24,15 +32,21 @@ from ckpt.service.runs.schemas import (
 )
 
 router = APIRouter(prefix="/v1", tags=["runs"])
+# A request about one run (or one attempt): refused for another run's token, not found, bad.
+ONE = (ForbiddenError, NotFoundError, InvalidRequestError)
 
 
-@router.post("/runs", status_code=201)
+@router.post(
+    "/runs",
+    status_code=201,
+    responses=responses(ForbiddenError, ConflictError, InvalidRequestError),
+)
 def create_run(request: RunCreate, principal: PrincipalDep, context: ContextDep) -> RunOut:
     """Create a run (optionally with its retention policy)."""
     return service.create_run(context, principal, request)
 
 
-@router.get("/runs")
+@router.get("/runs", responses=responses(InvalidRequestError))
 def list_runs(
     principal: PrincipalDep,
     context: ContextDep,
@@ -48,12 +62,12 @@ def list_runs(
     return service.list_runs(context, principal, after=after, limit=limit, prefix=prefix)
 
 
-@router.get("/runs/{run}")
+@router.get("/runs/{run}", responses=responses(*ONE))
 def get_run(run: RunPath, principal: PrincipalDep, context: ContextDep) -> RunOut:
     return service.get_run(context, principal, name=run)
 
 
-@router.patch("/runs/{run}")
+@router.patch("/runs/{run}", responses=responses(*ONE))
 def patch_run(
     run: RunPath, patch: RunPatch, principal: PrincipalDep, context: ContextDep
 ) -> RunOut:
@@ -61,7 +75,11 @@ def patch_run(
     return service.patch_run(context, principal, name=run, patch=patch)
 
 
-@router.post("/runs/{run}/attempts", status_code=201)
+@router.post(
+    "/runs/{run}/attempts",
+    status_code=201,
+    responses=responses(ForbiddenError, InvalidRequestError),
+)
 def register_attempt(
     run: RunPath, request: AttemptCreate, principal: PrincipalDep, context: ContextDep
 ) -> AttemptRegistered:
@@ -69,7 +87,7 @@ def register_attempt(
     return attempts.register_attempt(context, principal, name=run, request=request)
 
 
-@router.post("/attempts/{attempt}/heartbeat")
+@router.post("/attempts/{attempt}/heartbeat", responses=responses(*ONE, FencedError))
 def heartbeat(
     attempt: IdPath, beat: Heartbeat, principal: PrincipalDep, context: ContextDep
 ) -> AttemptOut:
@@ -78,7 +96,7 @@ def heartbeat(
     return attempts.heartbeat(context, principal, attempt_id=attempt, beat=beat)
 
 
-@router.post("/attempts/{attempt}/end")
+@router.post("/attempts/{attempt}/end", responses=responses(*ONE, ConflictError))
 def end_attempt(
     attempt: IdPath, end: AttemptEnd, principal: PrincipalDep, context: ContextDep
 ) -> AttemptOut:
@@ -87,19 +105,19 @@ def end_attempt(
     return attempts.end_attempt(context, principal, attempt_id=attempt, end=end)
 
 
-@router.get("/runs/{run}/resumable")
+@router.get("/runs/{run}/resumable", responses=responses(*ONE))
 def resumable(run: RunPath, principal: PrincipalDep, context: ContextDep) -> ResumePoint:
     """The latest resumable bundle of the run's live branch; 404 when there is none."""
     return service.resumable(context, principal, name=run)
 
 
-@router.get("/runs/{run}/lineage")
+@router.get("/runs/{run}/lineage", responses=responses(*ONE))
 def lineage(run: RunPath, principal: PrincipalDep, context: ContextDep) -> Lineage:
     """Attempts, bundles, parent and resume edges, rollbacks and forks of the run."""
     return service.get_lineage(context, principal, name=run)
 
 
-@router.post("/runs/{run}/rollback")
+@router.post("/runs/{run}/rollback", responses=responses(*ONE, ConflictError))
 def rollback(
     run: RunPath, request: RollbackRequest, principal: PrincipalDep, context: ContextDep
 ) -> RollbackOut:

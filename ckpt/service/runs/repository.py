@@ -2,11 +2,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from ckpt.service.lineage import AttemptNode
-from ckpt.service.models import Attempt, Bundle, EndReason, Rollback, Run, utcnow
+from ckpt.service.models import Attempt, AttemptRank, Bundle, EndReason, Rollback, Run, utcnow
 from ckpt.service.sql import Lock, insert, locked
 
 
@@ -120,7 +120,12 @@ def mark_lost(session: Session, *, silent_since: datetime, now: datetime) -> lis
     commits first (and Postgres re-checks the row, which is then no longer silent) or waits.
     """
     last_sign = func.coalesce(Attempt.heartbeat_at, Attempt.started_at)
-    silent = (Attempt.ended_at.is_(None), last_sign < silent_since)
+    rank_silent = (
+        select(AttemptRank.attempt_id)
+        .where(AttemptRank.attempt_id == Attempt.id, AttemptRank.heartbeat_at < silent_since)
+        .exists()
+    )
+    silent = (Attempt.ended_at.is_(None), or_(last_sign < silent_since, rank_silent))
     run_ids = list(
         session.scalars(select(Attempt.run_id).where(*silent).distinct().order_by(Attempt.run_id))
     )
@@ -140,6 +145,31 @@ def mark_lost(session: Session, *, silent_since: datetime, now: datetime) -> lis
         attempt.end_reason = EndReason.LOST
     session.flush()
     return lost
+
+
+def rank_silent(session: Session, *, attempt_id: int, silent_since: datetime) -> bool:
+    """Whether a rank of the attempt has not beaten since ``silent_since``."""
+    return (
+        session.scalar(
+            select(AttemptRank.rank)
+            .where(AttemptRank.attempt_id == attempt_id, AttemptRank.heartbeat_at < silent_since)
+            .limit(1)
+        )
+        is not None
+    )
+
+
+def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> None:
+    """Record a heartbeat of one rank of the attempt."""
+    statement = insert(session, AttemptRank).values(
+        attempt_id=attempt_id, rank=rank, heartbeat_at=at
+    )
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=["attempt_id", "rank"],
+            set_={"heartbeat_at": statement.excluded.heartbeat_at},
+        )
+    )
 
 
 def run_bundles(session: Session, *, run_id: int) -> list[Bundle]:

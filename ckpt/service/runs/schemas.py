@@ -90,6 +90,9 @@ class AttemptRegistered(BaseModel):
 
 class Heartbeat(_Request):
     step: Step | None = None
+    rank: Annotated[int, Field(ge=0, le=16383, strict=True)] = Field(
+        default=0, description="the rank that beats, in a job of many ranks"
+    )
 
 
 class AttemptEnd(_Request):

@@ -5,13 +5,14 @@ from fastapi.concurrency import run_in_threadpool
 
 from ckpt.service.auth.service import require_admin
 from ckpt.service.deps import ContextDep, PrincipalDep
+from ckpt.service.errors import ForbiddenError, StoreUnavailableError, responses
 from ckpt.service.scrub import service
 from ckpt.service.scrub.service import ScrubReport
 
 router = APIRouter(prefix="/v1", tags=["scrub"])
 
 
-@router.post("/scrub", responses={503: {"description": "the store failed during the pass"}})
+@router.post("/scrub", responses=responses(ForbiddenError, StoreUnavailableError))
 async def scrub(principal: PrincipalDep, context: ContextDep) -> ScrubReport:
     """Run one pass of the scrubber now, at CKPT_SCRUB_BYTES_PER_SECOND (admin only)."""
     require_admin(principal)
