@@ -1,18 +1,19 @@
 """How the checkpointer drives and captures each kind of data pipeline: the data layer.
 
 ``data_source`` picks the adapter for what the loop iterates: a ``DataLoader`` over ckpt's
-``ResumableSampler`` (``sampling``), a bare sampler, or any stateful object such as
-torchdata's ``StatefulDataLoader``.
+``ResumableSampler`` (``sampling``) or over torch's ``DistributedSampler``, a bare sampler,
+or any stateful object such as torchdata's ``StatefulDataLoader``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from ckpt.agent.sampling import PerSampleRNG, ResumableSampler
 from ckpt.agent.stateful import Stateful
@@ -92,9 +93,9 @@ class SamplerLoader:
     def __init__(self, loader: DataLoader[Any]) -> None:
         if not isinstance(loader.sampler, ResumableSampler) or loader.batch_size is None:
             raise ValueError(
-                "a plain DataLoader resumes only through ckpt's sampler: "
-                "DataLoader(dataset, batch_size=..., sampler=ResumableSampler(dataset, seed=...)); "
-                "or use torchdata's StatefulDataLoader"
+                "a plain DataLoader resumes only through ckpt's sampler or torch's "
+                "DistributedSampler: DataLoader(dataset, batch_size=..., "
+                "sampler=ResumableSampler(dataset, seed=...)); or use torchdata's StatefulDataLoader"
             )
         self.loader = loader
         self.sampler: ResumableSampler = loader.sampler
@@ -115,6 +116,87 @@ class SamplerLoader:
 
     def load_state_dict(self, state: Any) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+_SKIPPING: dict[type, type] = {}
+
+
+def _skipping(kind: type[DistributedSampler[Any]]) -> type[DistributedSampler[Any]]:
+    """A subclass of ``kind`` whose next iterator starts ``skip`` indices in: a resumed epoch
+    goes on without loading the samples it had consumed. (Only a plain subclass: with a
+    mixin first, CPython refuses the ``__class__`` assignment for a layout mismatch.)"""
+    if kind not in _SKIPPING:
+
+        def iterate(self: Any) -> Iterator[int]:
+            skip, self.skip = self.skip, 0
+            return itertools.islice(kind.__iter__(self), skip, None)
+
+        namespace = {"__iter__": iterate, "skip": 0, "__module__": kind.__module__}
+        _SKIPPING[kind] = type(kind.__name__, (kind,), namespace)
+    return _SKIPPING[kind]
+
+
+class DistributedLoader:
+    """A plain ``DataLoader`` over torch's ``DistributedSampler``, one per rank.
+
+    Its position is the epoch and the samples this rank consumed in it. The sampler's order
+    is a function of (seed, epoch), so a resume only skips that many indices: the sampler's
+    class becomes a subclass of itself whose next iterator starts there (``_skipping``).
+    """
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        sampler = loader.sampler
+        if not isinstance(sampler, DistributedSampler) or loader.batch_size is None:
+            raise TypeError(
+                "DistributedLoader needs a DataLoader(batch_size=..., sampler=DistributedSampler)"
+            )
+        if type(sampler) not in _SKIPPING.values():
+            sampler.__class__ = _skipping(type(sampler))
+        self.loader = loader
+        self.sampler: DistributedSampler[Any] = sampler
+        self.batch_size: int = loader.batch_size
+        self.epoch = 0
+        self.offset = 0
+
+    def begin_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.offset = epoch, 0
+        self.sampler.set_epoch(epoch)
+        _set_epoch(self.loader.dataset, epoch)
+
+    def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
+        self.sampler.skip = self.offset  # type: ignore[attr-defined]
+        return _iterate_loader(self.loader, resumed=resumed, generator_in_state=False)
+
+    def consumed(self) -> None:
+        self.offset = min(self.offset + self.batch_size, self.sampler.num_samples)
+
+    def state_dict(self) -> Any:
+        sampler = self.sampler
+        return {
+            "samples": len(sampler.dataset),  # type: ignore[arg-type]
+            "seed": sampler.seed,
+            "shuffle": sampler.shuffle,
+            "drop_last": sampler.drop_last,
+            "num_replicas": sampler.num_replicas,
+            "epoch": self.epoch,
+            "offset": self.offset,
+        }
+
+    def load_state_dict(self, state: Any) -> None:
+        """Take the position back; saved by another number of replicas, the epoch goes on
+        from the same number of samples consumed in all, rounded down (as ``ResumableSampler``)."""
+        sampler = self.sampler
+        saved = {key: state[key] for key in ("samples", "seed", "shuffle", "drop_last")}
+        here = {key: self.state_dict()[key] for key in saved}
+        if saved != here:
+            raise ValueError(
+                f"the checkpoint's DistributedSampler had {saved}; this one has {here}: "
+                "resuming would replay a different order"
+            )
+        self.epoch = int(state["epoch"])
+        consumed = int(state["offset"]) * int(state["num_replicas"])
+        self.offset = min(consumed // sampler.num_replicas, sampler.num_samples)
 
 
 class SamplerItems:
@@ -201,8 +283,8 @@ def _check_stateful_loader(loader: DataLoader[Any]) -> None:
 
 def reshardable(source: DataSource | None) -> bool:
     """Whether a data position saved by one world size can continue at another: no data,
-    or ckpt's sampler, which converts its position (``ResumableSampler.load_state_dict``)."""
-    return source is None or isinstance(source, SamplerLoader | SamplerItems)
+    or a sampler whose position converts (``ResumableSampler``, ``DistributedSampler``)."""
+    return source is None or isinstance(source, SamplerLoader | SamplerItems | DistributedLoader)
 
 
 def data_source(data: object) -> DataSource:
@@ -216,6 +298,8 @@ def data_source(data: object) -> DataSource:
         return SamplerItems(data)
     if isinstance(data, DataLoader) and not isinstance(data, Stateful):
         _refuse_frozen_epoch(data)
+        if isinstance(data.sampler, DistributedSampler) and data.batch_size is not None:
+            return DistributedLoader(data)
         return SamplerLoader(data)
     if isinstance(data, Stateful):
         return StatefulSource(data)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ckpt import Checkpointer, PerSampleRNG, ResumableSampler
+from ckpt.core.errors import IncompatibleBundleError
 from ckpt.core.storage import DirectoryStore
 
 DATASET = TensorDataset(torch.arange(16))
@@ -149,3 +150,54 @@ def test_a_loader_generator_also_used_for_augmentation_resumes_exactly(tmp_path:
     uninterrupted = run(tmp_path / "a", stop_at=None, resume=False)
     head = run(tmp_path / "b", stop_at=11, resume=False)
     assert head + run(tmp_path / "b", stop_at=None, resume=True) == uninterrupted
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_over_torchs_distributed_sampler_resumes_mid_epoch(
+    tmp_path: Path, workers: int
+) -> None:
+    # One rank's view (rank 1 of 3, no process group needed): a resume in the middle of the
+    # second epoch skips the indices it had consumed and goes on in the same order.
+    def run(store: Path, *, stop_at: int | None, resume: bool) -> list[list[int]]:
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            DATASET, num_replicas=3, rank=1, seed=7
+        )
+        loader = DataLoader(DATASET, batch_size=2, sampler=sampler, num_workers=workers)
+        ckpt = checkpointer(store, loader)
+        if resume:
+            ckpt.resume()
+        taken: list[list[int]] = []
+        while ckpt.counters.epoch < 3:
+            for (batch,) in ckpt.batches():
+                taken.append(batch.tolist())
+                if len(taken) == stop_at:
+                    ckpt.save().wait()
+                    return taken
+        return taken
+
+    uninterrupted = run(tmp_path / "a", stop_at=None, resume=False)
+    assert len(uninterrupted) == 9 and uninterrupted[:3] != uninterrupted[3:6]  # shuffled
+    head = run(tmp_path / "b", stop_at=4, resume=False)
+    assert head + run(tmp_path / "b", stop_at=None, resume=True) == uninterrupted
+
+
+def test_a_distributed_sampler_position_carries_over_to_another_world_size(
+    tmp_path: Path,
+) -> None:
+    def loader(replicas: int, rank: int, seed: int = 7) -> DataLoader[Any]:
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            DATASET, num_replicas=replicas, rank=rank, seed=seed
+        )
+        return DataLoader(DATASET, batch_size=2, sampler=sampler)
+
+    saved = checkpointer(tmp_path, loader(2, 0))
+    for _ in zip(range(2), saved.batches(), strict=False):
+        pass
+    saved.save().wait()
+    # 2 ranks x 2 batches x 2 samples = 8 consumed in all: 2 per rank at 4 ranks.
+    resumed = checkpointer(tmp_path, loader(4, 3))
+    resumed.resume(layers=["data"])
+    permutation = torch.randperm(16, generator=torch.Generator().manual_seed(7)).tolist()
+    assert [batch.tolist() for (batch,) in resumed.batches()] == [permutation[8 + 3 :: 4]]
+    with pytest.raises(IncompatibleBundleError, match="different order"):
+        checkpointer(tmp_path, loader(2, 0, seed=8)).resume(layers=["data"])

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 STEPS = ("--steps", "8", "--every", "2")
 
 
-Reference = Callable[[str, int], list[Any]]
+Reference = Callable[..., list[Any]]
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +33,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
     root = tmp_path_factory.mktemp("references")
 
     @functools.cache
-    def run(parallel: str, world: int) -> list[Any]:
-        out = root / f"{parallel}{world}"
-        store = root / f"store-{parallel}{world}"
-        done = run_ranks(world, store, out, *STEPS, "--parallel", parallel)
+    def run(parallel: str, world: int, sampler: str = "ckpt") -> list[Any]:
+        out = root / f"{parallel}{world}{sampler}"
+        store = root / f"store-{parallel}{world}{sampler}"
+        done = run_ranks(world, store, out, *STEPS, "--parallel", parallel, "--sampler", sampler)
         assert done.codes == [0] * world, done.text()
         return load_ranks(out, world)
 
@@ -48,22 +48,26 @@ def assert_bit_exact(reference: list[Any], resumed: list[Any]) -> None:
         assert differences(ref, got) == [], f"rank {rank}: {differences(ref, got)}"
 
 
-def resume(world: int, store: Path, out: Path, parallel: str) -> list[Any]:
-    done = run_ranks(world, store, out, *STEPS, "--parallel", parallel)
+def resume(world: int, store: Path, out: Path, parallel: str, *extra: str) -> list[Any]:
+    done = run_ranks(world, store, out, *STEPS, "--parallel", parallel, *extra)
     assert done.codes == [0] * world, done.text()
     assert "resumed from" in done.outputs[0], done.text()
     return load_ranks(out, world)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize(
+    ("parallel", "sampler"), [("ddp", "ckpt"), ("fsdp", "ckpt"), ("ddp", "torch")]
+)
 def test_every_rank_killed_then_resumed_is_bit_exact(
-    tmp_path: Path, reference: Reference, parallel: str
+    tmp_path: Path, reference: Reference, parallel: str, sampler: str
 ) -> None:
     store, out = tmp_path / "store", tmp_path / "out"
+    job = (*STEPS, "--parallel", parallel, "--sampler", sampler)
     marker = ("--drill-marker", str(tmp_path / "killed"))
-    killed = run_ranks(2, store, out, *STEPS, "--parallel", parallel, "--kill-at", "5.1", *marker)
+    killed = run_ranks(2, store, out, *job, "--kill-at", "5.1", *marker)
     assert killed.codes == [-9, -9], killed.text()
-    assert_bit_exact(reference(parallel, 2), resume(2, store, out, parallel))
+    resumed = resume(2, store, out, parallel, "--sampler", sampler)
+    assert_bit_exact(reference(parallel, 2, sampler), resumed)
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_one_boundary(

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ckpt.agent.checkpointer import Checkpointer
 from ckpt.agent.demo.train import (
@@ -54,6 +54,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--store", required=True)
     add("--out", required=True, help="each rank writes OUT.rank<R>")
     add("--parallel", choices=["ddp", "fsdp"], default="ddp")
+    add(
+        "--sampler",
+        choices=["ckpt", "torch"],
+        default="ckpt",
+        help="shard the data with ckpt's ResumableSampler or torch's DistributedSampler",
+    )
     add("--steps", type=int, default=12, help="train until this optimizer step")
     add("--total-steps", type=int, default=24, help="the LR schedule's length")
     add("--every", type=int, default=None, help="save every N optimizer steps")
@@ -105,8 +111,13 @@ def build(args: argparse.Namespace) -> Job:
     torch.manual_seed(1000 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.total_steps))
-    sampler = ResumableSampler(NUM_SAMPLES, seed=11, num_replicas=world, rank=rank)
-    loader = DataLoader(NoisyBlobs(), batch_size=BATCH_SIZE, sampler=sampler, num_workers=0)
+    dataset = NoisyBlobs()
+    sampler: Sampler[int] = (
+        ResumableSampler(NUM_SAMPLES, seed=11, num_replicas=world, rank=rank)
+        if args.sampler == "ckpt"
+        else DistributedSampler(dataset, seed=11)
+    )
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler, num_workers=0)
     store = DrillStore(open_store(args.store), delay=0.0, marker=args.drill_marker)
     ckpt = Checkpointer(
         run=args.run,
