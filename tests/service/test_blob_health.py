@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,9 @@ from torch import nn
 from ckpt import Checkpointer, StoreError
 from ckpt.core.contract import RESTORE_ORDER, Layer, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
-from ckpt.service.models import Blob
+from ckpt.service.bundles import damage
+from ckpt.service.completeness import BlobProblem
+from ckpt.service.models import Blob, utcnow
 from tests.service.conftest import Server
 from tests.service.helpers import commit, make_layer, open_bundle, record, register
 
@@ -188,6 +191,36 @@ def test_a_commit_that_finds_a_used_blob_gone_quarantines_the_bundles_using_it(
         assert after["status"] == "quarantined"
         assert "(the commit of bundle" in after["reason"]
         assert client.get(f"/v1/runs/{run_name}/resumable").json()["bundle_id"] == first
+
+
+def test_damage_read_before_the_blob_was_written_again_quarantines_nothing(
+    server: Server, run_name: str
+) -> None:
+    # A scrubber (or restore) reads a blob as absent; before it marks the damage, a save
+    # writes the blob again and a commit reads it back intact. The stale finding must not
+    # quarantine the bundles that use the blob, which is whole now.
+    store = server.store
+    with server.client() as client:
+        attempt = register(client, run_name)
+        shared, _ = make_layer(store, size=2048)
+        user = saved(
+            save_records(client, run_name, attempt, step=10, records=fresh(store, weights=shared))
+        )
+    sha = shared.blobs[1].sha256
+    read_at = utcnow() - timedelta(seconds=1)  # the stale read began before the commit's
+    with server.context.transaction() as session:
+        quarantined = damage.mark_damaged(
+            session, {sha: BlobProblem.ABSENT}, read_at=read_at, actor="test", found_by="a test"
+        )
+    assert quarantined == []
+    assert blob_row(server, sha).damaged_at is None
+    with server.client() as client:
+        assert client.get(f"/v1/bundles/{user}").json()["status"] == "complete"
+    with server.context.transaction() as session:  # a read that began after it: marked
+        found = damage.mark_damaged(
+            session, {sha: BlobProblem.ABSENT}, read_at=utcnow(), actor="test", found_by="a test"
+        )
+    assert [bundle.id for bundle in found] == [user]
 
 
 # -- through the agent -------------------------------------------------------------------

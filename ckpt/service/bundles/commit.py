@@ -67,7 +67,7 @@ def commit_bundle(
             unproven=plan.unproven,
             opened_at=plan.opened_at,
         )
-        _mark_damage_found(context, principal, bundle_id, stored)
+        _mark_damage_found(context, principal, bundle_id, stored, read_at=read_at)
         done = _finish_commit(
             context,
             principal,
@@ -123,7 +123,12 @@ def _records(session: Session, bundle: Bundle) -> dict[tuple[int, Layer], LayerR
 
 
 def _mark_damage_found(
-    context: Context, principal: Principal, bundle_id: int, stored: Mapping[str, StoredBlob]
+    context: Context,
+    principal: Principal,
+    bundle_id: int,
+    stored: Mapping[str, StoredBlob],
+    *,
+    read_at: datetime,
 ) -> None:
     """Blobs the store lacks, or holds with bytes that do not match their SHA-256, are
     damaged, whichever bundle references them (a wrong size may be the record's fault, and
@@ -137,7 +142,11 @@ def _mark_damage_found(
     if found:
         with context.transaction() as session:
             damage.mark_damaged(
-                session, found, actor=principal.actor, found_by=f"the commit of bundle {bundle_id}"
+                session,
+                found,
+                read_at=read_at,
+                actor=principal.actor,
+                found_by=f"the commit of bundle {bundle_id}",
             )
 
 

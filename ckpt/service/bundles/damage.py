@@ -44,19 +44,37 @@ def found_since(blobs: Iterable[Blob], moment: datetime) -> bool:
     return any(blob.damaged_at is not None and blob.damaged_at >= moment for blob in blobs)
 
 
+def _verified_since(blob: Blob, moment: datetime) -> bool:
+    return blob.verified_at is not None and blob.verified_at >= moment
+
+
 def describe(sha: str, problem: BlobProblem) -> str:
     """One blob's damage, in words."""
     return f"blob {sha} {_PHRASES.get(problem, problem.value)}"
 
 
 def mark_damaged(
-    session: Session, damaged: Mapping[str, BlobProblem], *, actor: str, found_by: str
+    session: Session,
+    found: Mapping[str, BlobProblem],
+    *,
+    read_at: datetime,
+    actor: str,
+    found_by: str,
 ) -> list[Bundle]:
     """Mark these blobs damaged and quarantine every complete bundle using one; returns
-    those bundles. ``found_by`` says how the damage was found (the reason names it)."""
+    those bundles. ``found_by`` says how the damage was found (the reason names it).
+
+    ``read_at``: when the read that found the damage began. A blob a commit read back intact
+    since then was written again meanwhile (a save that found it missing): it is not marked.
+    """
+    rows = repository.lock_blobs(session, shas=found)
+    damaged = {
+        sha: problem
+        for sha, problem in found.items()
+        if sha not in rows or not _verified_since(rows[sha], read_at)
+    }
     if not damaged:
         return []
-    repository.lock_blobs(session, shas=damaged)
     repository.mark_damaged(
         session, damage={sha: str(problem) for sha, problem in damaged.items()}, at=utcnow()
     )

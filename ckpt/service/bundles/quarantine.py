@@ -51,6 +51,7 @@ def quarantine(
     with context.transaction() as session:
         bundle, _ = _quarantinable(context, session, principal, bundle_id, request, lock=Lock.NONE)
         size = _size_in(session, bundle, request.blob)
+    read_at = utcnow()
     problem = completeness.blob_problem(size, read_back(context.store, request.blob))
     if problem is None:
         raise IntactError(
@@ -68,6 +69,7 @@ def quarantine(
         damage.mark_damaged(
             session,
             {request.blob: problem},
+            read_at=read_at,
             actor=principal.actor,
             found_by=f"reported by {principal.actor}: {request.reason}",
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from datetime import datetime
 
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
@@ -35,7 +36,7 @@ from ckpt.service.context import Context
 from ckpt.service.errors import StoreUnavailableError
 from ckpt.service.events.schemas import System
 from ckpt.service.maintenance.service import Task, exclusive
-from ckpt.service.models import Bundle, BundleStatus
+from ckpt.service.models import Bundle, BundleStatus, utcnow
 from ckpt.service.runs import repository as runs_repository
 from ckpt.service.runs.service import resumable_bundle
 from ckpt.service.scrub import repository
@@ -115,6 +116,7 @@ class _Pass:
             sizes = _blob_sizes(session, bundle)
             run = runs_repository.get_run_by_id(session, run_id=bundle.run_id).name
         found: dict[str, BlobProblem] = {}
+        read_at = utcnow()
         for sha, size in sizes.items():
             if sha in self.seen:
                 continue
@@ -126,7 +128,7 @@ class _Pass:
                 found[sha] = problem
         if BlobProblem.ABSENT in found.values() and not self.found_present:
             self._check_store_answers(run, bundle)
-        self._mark(found)
+        self._mark(found, read_at=read_at)
         self.report.bundles += 1
 
     def _read(self, sha: str, size: int) -> BlobProblem | None:
@@ -155,12 +157,16 @@ class _Pass:
             )
         self.found_present = True
 
-    def _mark(self, found: dict[str, BlobProblem]) -> None:
+    def _mark(self, found: dict[str, BlobProblem], *, read_at: datetime) -> None:
         if not found:
             return
         with self.context.transaction() as session:
             quarantined = damage.mark_damaged(
-                session, found, actor=System.SCRUBBER, found_by="found by the scrubber"
+                session,
+                found,
+                read_at=read_at,
+                actor=System.SCRUBBER,
+                found_by="found by the scrubber",
             )
             ids = [bundle.id for bundle in quarantined]
         self.report.damaged += [DamagedBlob(sha256=sha, problem=p) for sha, p in found.items()]
