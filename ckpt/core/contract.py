@@ -67,7 +67,7 @@ class BlobRef(_Frozen):
     """One content-addressed blob: a byte range of a layer's payload."""
 
     sha256: Annotated[str, Field(pattern=SHA256_HEX)]
-    size: Annotated[int, Field(ge=0, le=MAX_BYTES)]
+    size: Annotated[int, Field(ge=0, le=MAX_BYTES, strict=True)]
 
 
 def _known_dtype(code: str) -> str:
@@ -81,7 +81,7 @@ Dtype = Annotated[
     Field(max_length=16, json_schema_extra={"enum": list(DTYPE_CODES)}),
     AfterValidator(_known_dtype),
 ]
-Extent = Annotated[int, Field(ge=0, le=MAX_BYTES)]  # a dimension, or a byte offset
+Extent = Annotated[int, Field(ge=0, le=MAX_BYTES, strict=True)]  # a dimension, or a byte offset
 
 
 class TensorEntry(_Frozen):
@@ -102,8 +102,8 @@ class TensorEntry(_Frozen):
 class LayerRecord(_Frozen):
     """One (rank, layer) payload: its blobs in order and its tensor index."""
 
-    payload_bytes: Annotated[int, Field(ge=8, le=MAX_BYTES)]
-    header_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)]
+    payload_bytes: Annotated[int, Field(ge=8, le=MAX_BYTES, strict=True)]
+    header_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES, strict=True)]
     blobs: tuple[BlobRef, ...]
     tensors: dict[str, TensorEntry]
 
@@ -131,7 +131,7 @@ class LayerRecord(_Frozen):
 
 
 class RankRecord(_Frozen):
-    rank: Annotated[int, Field(ge=0)]
+    rank: Annotated[int, Field(ge=0, strict=True)]
     layers: dict[Layer, LayerRecord]
 
 
@@ -159,8 +159,8 @@ class Manifest(_Frozen):
 
     format: str = MANIFEST_FORMAT
     run: str
-    step: Annotated[int, Field(ge=0, le=MAX_STEP)]
-    world_size: Annotated[int, Field(ge=1)]
+    step: Annotated[int, Field(ge=0, le=MAX_STEP, strict=True)]
+    world_size: Annotated[int, Field(ge=1, strict=True)]
     created_at: str
     versions: Versions
     ranks: tuple[RankRecord, ...]

@@ -249,6 +249,31 @@ CASES: dict[str, Case] = {
     "end_reason_unknown": json_case(
         "POST", lambda w: _attempt(w) + "/end", lambda w: {"reason": "bored"}, "reason"
     ),
+    # Booleans and integers are taken as such, never coerced (0 is not false, false not 0).
+    "pinned_zero": json_case(
+        "PATCH", lambda w: f"/v1/bundles/{w.complete['id']}", lambda w: {"pinned": 0}, "pinned"
+    ),
+    "pinned_string": json_case(
+        "PATCH", lambda w: f"/v1/bundles/{w.complete['id']}", lambda w: {"pinned": "yes"}, "pinned"
+    ),
+    "size_false": json_case(
+        "PUT", _layer, lambda w: w.put_body(w.record_json(blobs=_blob(w, 1, size=False))), "size"
+    ),
+    "size_string": json_case(
+        "PUT", _layer, lambda w: w.put_body(w.record_json(blobs=_blob(w, 1, size="9"))), "size"
+    ),
+    "keep_last_true": json_case(
+        "PATCH", lambda w: f"/v1/runs/{w.run}", lambda w: {"keep_last": True}, "keep_last"
+    ),
+    "resume_one": json_case(
+        "POST", lambda w: f"/v1/runs/{w.run}/attempts", lambda w: {"resume": 1}, "resume"
+    ),
+    "final_save_string": json_case(
+        "POST",
+        lambda w: _attempt(w) + "/end",
+        lambda w: {"reason": "failed", "final_save_committed": "true"},
+        "final_save_committed",
+    ),
     "keep_last_zero": json_case(
         "PATCH", lambda w: f"/v1/runs/{w.run}", lambda w: {"keep_last": 0}, "keep_last"
     ),

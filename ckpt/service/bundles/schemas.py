@@ -72,7 +72,7 @@ class Unquarantine(_Request):
 
 
 class BundlePatch(_Request):
-    pinned: bool
+    pinned: Annotated[bool, Field(strict=True)]
 
 
 class RecordedLayer(Part):

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ckpt.core.contract import Manifest
 from ckpt.service.names import PRINTABLE, Id, Label, RunName, Step
 
-Count = Annotated[int, Field(ge=1, le=1_000_000)]
+Count = Annotated[int, Field(ge=1, le=1_000_000, strict=True)]
 Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=PRINTABLE)]
 # How an attempt says it ended (an EndReason); "lost" is the service's verdict, never reported.
 ReportedEnd = Literal["finished", "preempted", "failed"]
@@ -66,7 +66,7 @@ class RunPage(BaseModel):
 class AttemptCreate(_Request):
     pod: Hostname | None = None
     node: Hostname | None = None
-    resume: bool = Field(
+    resume: Annotated[bool, Field(strict=True)] = Field(
         default=True, description="false: start fresh, even where the run has a head"
     )
 
@@ -97,7 +97,7 @@ class Heartbeat(_Request):
 
 class AttemptEnd(_Request):
     reason: ReportedEnd
-    final_save_committed: bool = False
+    final_save_committed: Annotated[bool, Field(strict=True)] = False
     step: Step | None = None
 
 
