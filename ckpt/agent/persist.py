@@ -29,6 +29,7 @@ from ckpt.agent.upload import (
     HeldBlobs,
     Share,
     WriteStats,
+    blobs_alike,
     upload_layer,
 )
 from ckpt.core.contract import Layer, LayerRecord, SaveFigures
@@ -147,6 +148,7 @@ class Persister:
         self._run, self._store, self._catalog = run, store, catalog
         self._blob_bytes, self._ranks, self._quiet = blob_bytes, ranks, quiet
         self._replicated = replicated  # layers every rank holds alike (DDP): one upload
+        self._told_unalike = False  # warned that such a layer differs between the ranks
         self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
 
@@ -338,11 +340,20 @@ class Persister:
         if not self._replicated or self._ranks.world_size == 1:
             return None
 
-        def same(hashes: list[str]) -> bool:
-            mine = tuple(hashes)
-            return all(h == mine for h in self._ranks.gather(mine, timeout=MEET_SECONDS))
+        def alike(hashes: list[str]) -> list[bool]:
+            flags = blobs_alike(self._ranks.gather(tuple(hashes), timeout=MEET_SECONDS))
+            if not all(flags) and not self._told_unalike:
+                self._told_unalike = True
+                log.warning(
+                    "ckpt: %d of %d blobs of a layer DDP replicates differ between the ranks "
+                    "(buffers such as batch-norm statistics, changed since DDP last broadcast "
+                    "them): every rank stores those itself (said once)",
+                    flags.count(False),
+                    len(flags),
+                )
+            return flags
 
-        return Share(rank=self._ranks.rank, world_size=self._ranks.world_size, same=same)
+        return Share(rank=self._ranks.rank, world_size=self._ranks.world_size, alike=alike)
 
     def _announce(self, result: SaveResult, position: Position) -> None:
         """One line per durable save; the details at debug level."""

@@ -10,9 +10,8 @@ CPU and I/O overlap.
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckpt.agent.capture import LayerState
@@ -21,8 +20,6 @@ from ckpt.agent.format.chunking import GROUP_BYTES, plan_blobs
 from ckpt.core.contract import BlobRef, LayerRecord
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
-
-log = logging.getLogger("ckpt")
 
 
 @dataclass
@@ -91,13 +88,14 @@ class Share:
     costs one replica's upload, spread over every rank. Blobs go to the rank with the fewest
     bytes so far, largest first: every rank computes the same split from the same sizes.
 
-    ``same(hashes)`` tells whether every rank computed the same blob hashes (a meeting of the
-    ranks); when they differ, every rank stores its own blobs and a warning says so.
+    ``alike(hashes)`` tells, blob by blob, whether every rank computed the same hash (a
+    meeting of the ranks, ``blobs_alike``). A blob that differs (one holding batch-norm
+    statistics a forward pass changed since DDP last broadcast them) is stored by every rank.
     """
 
     rank: int
     world_size: int
-    same: Callable[[list[str]], bool]
+    alike: Callable[[list[str]], list[bool]]
     loads: list[int] = field(default_factory=list)  # bytes given to each rank this save
 
     def owners(self, sizes: list[int]) -> list[int]:
@@ -170,6 +168,15 @@ def upload_layer(
     )
 
 
+def blobs_alike(hashes: Sequence[Sequence[str]]) -> list[bool]:
+    """Given each rank's blob hashes of one layer: whether every rank has the same blob at
+    each position (none, when the layouts differ in length)."""
+    first = hashes[0]
+    if any(len(other) != len(first) for other in hashes):
+        return [False] * len(first)
+    return [all(other[i] == sha for other in hashes) for i, sha in enumerate(first)]
+
+
 def _shared(
     share: Share,
     ranges: list[tuple[int, int]],
@@ -180,14 +187,10 @@ def _shared(
 ) -> list[BlobRef]:
     """Hash every blob; store this rank's share (every blob, if the ranks disagree)."""
     blobs = parallel(digest, ranges)
-    if share.same([blob.sha256 for blob in blobs]):
-        owners = share.owners([blob.size for blob in blobs])
-    else:
-        log.warning(
-            "the ranks hold different bytes in a layer that should be replicated (DDP): "
-            "each rank stores its own blobs"
-        )
-        owners = [share.rank] * len(blobs)
+    shared = [i for i, alike in enumerate(share.alike([b.sha256 for b in blobs])) if alike]
+    owners = [share.rank] * len(blobs)  # a blob the ranks hold differently: each its own
+    for index, owner in zip(shared, share.owners([blobs[i].size for i in shared]), strict=True):
+        owners[index] = owner
     for blob, span, owner in zip(blobs, ranges, owners, strict=True):
         if owner == share.rank:
             store_blob(blob, span)
