@@ -392,7 +392,8 @@ def torchrun_args(docs: list[Doc], trainer: Doc, *, index: str) -> tuple[Any, li
     it; and the words ckpt launch runs."""
     from torch.distributed.run import get_args_parser
 
-    from ckpt.agent.launch import is_torchrun, parse_args
+    from ckpt.agent.launch import parse_args
+    from ckpt.agent.torchrun import is_torchrun
 
     job = one(docs, "Job")
     values = {
