@@ -1,5 +1,5 @@
-"""The FastAPI application: routers, the error handlers (one JSON body for every error), body
-limits, metrics, the interactive API page (Swagger UI, served from the package), and the
+"""The FastAPI application: routers (the API; the dashboard under ``/ui/``), the error
+handlers (one JSON body for every error), body limits, metrics, the interactive API page (Swagger UI, served from the package), and the
 periodic tasks: garbage collection, the scrubber and marking lost attempts."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from ckpt.service.runs.endpoints import router as runs_router
 from ckpt.service.scrub import service as scrub
 from ckpt.service.scrub.endpoints import router as scrub_router
 from ckpt.service.settings import Settings, embedded_admin_token
+from ckpt.service.ui.endpoints import install as install_dashboard
 
 log = logging.getLogger("ckpt.service")
 # Swagger UI's files, vendored (static/swagger-ui/README.md says from where).
@@ -84,6 +85,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     ):
         app.include_router(router)
     _serve_docs(app)
+    install_dashboard(app)  # /ui/: the lineage dashboard, and / redirecting there
     _handle_errors(app)
     _count_requests(app, context)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)

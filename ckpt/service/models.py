@@ -7,7 +7,7 @@ that the migrations and these models agree.
      └──< rollback        ├ attempt.resumed_from_id (resume edges)
                           ├──< save (what each rank's save of it cost)
                           └──< bundle_event (the audit log: who changed its state, and why)
-    token (hashed bearer tokens)
+    token (hashed bearer tokens) ──< ui_session (the dashboard's sign-ins)
     maintenance_pass (each pass of garbage collection or the scrubber, by replica)
 """
 
@@ -205,6 +205,15 @@ class Save(Base):
     __table_args__ = (
         UniqueConstraint("bundle_id", "rank"),
         CheckConstraint("rank >= 0", name="rank"),
+        # The dashboard sums the figures of many bundles: read from the index alone.
+        Index(
+            "ix_save_figures",
+            "bundle_id",
+            "stall_seconds",
+            "persist_seconds",
+            "payload_bytes",
+            "new_bytes",
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -267,6 +276,24 @@ class Token(Base):
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
     expires_at: Mapped[datetime | None]  # None: never
+
+
+class UISession(Base):
+    """A sign-in to the dashboard: the browser holds a random id, the catalog its SHA-256.
+
+    It lasts while its token does: ``token_id`` names the catalog token presented (None for
+    the configured admin token, then ``token_hash`` must still be one of them)."""
+
+    __tablename__ = "ui_session"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    token_id: Mapped[int | None] = mapped_column(
+        ForeignKey("token.id", ondelete="CASCADE"), index=True
+    )
+    token_hash: Mapped[str] = mapped_column(String(64))
+    csrf: Mapped[str] = mapped_column(String(64))  # the forms' field must equal it
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime] = mapped_column(index=True)
 
 
 class BundleEvent(Base):

@@ -1,9 +1,9 @@
 """A MkDocs hook: every relative link in README.md must land somewhere real.
 
 README.md is not a page of the site, so MkDocs does not check its links; this hook does,
-once every page is rendered. A link into ``docs/`` must name a page of the build and, with
-``#anchor``, a heading of that page; ``#anchor`` alone must name a heading of README.md;
-any other relative link must name a file or folder of the repository. Each broken link is
+once every page is rendered. A link into ``docs/`` must name a page of the build (or a file
+it copies, such as an image) and, with ``#anchor``, a heading of that page; ``#anchor``
+alone must name a heading of README.md; any other relative link must name a file or folder of the repository. Each broken link is
 a warning, and ``mkdocs build --strict`` fails on warnings.
 """
 
@@ -81,6 +81,8 @@ def _check(root: Path, docs_dir: Path, files: Files, *, path: str, anchor: str) 
     if in_docs in (".", ""):
         in_docs = "index.md"
     file = files.get_file_from_path(in_docs)
+    if file is not None and file.page is None and not anchor:
+        return None  # an image or another file the site copies as it is
     if file is None or file.page is None:
         return f"docs/{in_docs} is not a page of the site"
     if anchor and anchor not in (file.page.present_anchor_ids or set()):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ckpt.agent.demo.compare import differences
+from ckpt.agent.demo.server import dashboard_url
 
 DRILL_RECORD = "sigkill-drill.json"  # what the SIGKILL drill did, written by the trainer
 
@@ -132,6 +133,7 @@ def print_next_steps(server: str | None, run: str, *, ckpt: str) -> None:
         f'  curl -H "Authorization: Bearer $(cat .ckpt/admin-token)" {server}/v1/runs/{run}/lineage'
     )
     print(f"  {ckpt} resumable {run}     # the same through the CLI")
+    print(f"  {dashboard_url(server, run)}     # the dashboard (sign in with the token)")
 
 
 def ckpt_here() -> str:

@@ -23,12 +23,11 @@ import argparse
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from typing import Any
 import httpx
 
 from ckpt.agent.demo.report import DRILL_RECORD, ckpt_here, print_next_steps, report
-from ckpt.core.tokens import default_token
+from ckpt.agent.demo.server import control_plane, dashboard_url, serve_until_interrupted
 
 GRACE_SECONDS = 10
 
@@ -58,8 +57,9 @@ every rank's final state is compared.
 
 Writes everything under ./.ckpt (catalog, bundles, admin token; logs in
 ./.ckpt/demo/RUN). Prints each attempt and how it ended, the bundles and bytes
-saved, the comparison, and the commands that ask the control plane about the
-run. Exits 0 when the runs are bit-identical, 1 otherwise."""
+saved, the comparison, the run's page on the dashboard and the commands that
+ask the control plane about the run; --serve keeps the control plane up
+afterwards, until Ctrl-C. Exits 0 when the runs are bit-identical, 1 otherwise."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--server", default=None, help="use this control plane instead of starting one"
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the control plane (and its dashboard) up after the report, until Ctrl-C",
     )
     parser.add_argument(
         "--steps", type=int, default=60, help="optimizer steps to train (default 60)"
@@ -128,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = Path(".ckpt") / "demo" / plan.run
     work.mkdir(parents=True, exist_ok=True)
     print(f"ckpt demo: run {plan.run}; bundles in {args.store}")
-    with _control_plane(args, work) as (url, token):
-        print(f"1. control plane at {url}")
+    with control_plane(args, work) as (url, token):
+        print(f"1. control plane at {url}; the run's page: {dashboard_url(url, plan.run)}")
         print(
             f"2. training {plan.steps} steps{_on_ranks(plan)} under `ckpt launch`, saving "
             f"every {plan.every}; "
@@ -145,58 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"the run did not finish: see {work / 'launch.log'}", file=sys.stderr)
             return 1
         facts = _facts(url, token, plan.run)
-    print("3. a reference run trains the same job without interruption")
-    _reference(plan, work)
-    code = report(
-        work, facts, sigterms=signals, kill_upload_at=plan.kill_upload_at, nproc=plan.nproc
-    )
-    print_next_steps(url if args.server else None, plan.run, ckpt=ckpt_here())
-    return code
-
-
-@contextmanager
-def _control_plane(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, str | None]]:
-    """The given control plane, or ``ckpt server`` started here on a free port."""
-    if args.server:
-        yield args.server.rstrip("/"), default_token()
-        return
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "CKPT_STORE": args.store,
-        "CKPT_PORT": str(port),
-        "CKPT_LOST_AFTER_SECONDS": "5",  # so that the SIGKILLed attempt shows as lost
-    }
-    with (work / "server.log").open("w") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "ckpt", "server"], env=env, stdout=log, stderr=log
+        print("3. a reference run trains the same job without interruption")
+        _reference(plan, work)
+        code = report(
+            work, facts, sigterms=signals, kill_upload_at=plan.kill_upload_at, nproc=plan.nproc
         )
-    try:
-        _wait_healthy(url, server, work / "server.log")
-        yield url, default_token()
-    finally:
-        server.terminate()
-        server.wait(15)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _wait_healthy(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"ckpt server exited:\n{log.read_text()[-2000:]}")
-        with suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise SystemExit(f"ckpt server did not become ready:\n{log.read_text()[-2000:]}")
+        kept = args.server or args.serve
+        print_next_steps(url if kept else None, plan.run, ckpt=ckpt_here())
+        if args.serve and not args.server:
+            serve_until_interrupted(url, plan.run)
+    return code
 
 
 def _on_ranks(plan: Plan) -> str:

@@ -1,0 +1,55 @@
+"""Figures in words for the pages: sizes, ages, ratios, timestamps. Pure, no I/O."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+
+def size(value: int | None) -> str:
+    """1.5 GiB, 320 KiB, 12 B."""
+    if value is None:
+        return "—"
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(amount) < 1024 or unit == "TiB":
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    raise AssertionError("unreachable")
+
+
+def age(moment: datetime | None, now: datetime) -> str:
+    """How long ago: 40 s, 12 min, 3 h, 2 d."""
+    if moment is None:
+        return "—"
+    seconds = max(0, int((now - moment).total_seconds()))
+    for unit, length in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= length:
+            return f"{seconds // length} {unit} ago"
+    return f"{seconds} s ago"
+
+
+def percent(value: float | None) -> str:
+    return "—" if value is None else f"{value * 100:.1f}%"
+
+
+def moment(value: datetime | None) -> str:
+    """A UTC timestamp to the second."""
+    return "—" if value is None else f"{value:%Y-%m-%d %H:%M:%S}Z"
+
+
+def seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f} s"
+
+
+def maybe(value: object) -> str:
+    return "—" if value is None else str(value)
+
+
+FILTERS = {
+    "size": size,
+    "age": age,
+    "percent": percent,
+    "moment": moment,
+    "seconds": seconds,
+    "maybe": maybe,
+}
