@@ -188,7 +188,11 @@ class Checkpointer:
         return Position(step=self.counters.step, micro_step=self.counters.micro_step)
 
     def resume(
-        self, *, layers: Iterable[Layer | str] = RESTORE_ORDER, from_run: str | None = None
+        self,
+        *,
+        layers: Iterable[Layer | str] = RESTORE_ORDER,
+        from_run: str | None = None,
+        from_step: int | None = None,
     ) -> ResumeResult:
         """Restore the latest resumable bundle of the run, or report a fresh start.
 
@@ -199,30 +203,29 @@ class Checkpointer:
 
         Args:
             layers: the layers to restore; all six by default.
-            from_run: read the latest bundle of this run instead of the checkpointer's own.
+            from_run: read the latest bundle of this run instead of the checkpointer's own
+                (left out: ``CKPT_FROM_RUN`` while this run has none of its own; ``Config``).
+            from_step: with ``from_run``, that run's bundle at this step, not its latest.
 
         Returns:
             Which bundle was restored (``bundle=None`` when there was none).
 
         Raises:
             CorruptBundleError: every resumable bundle has a blob that does not match its
-                manifest (one that fails is quarantined and the one before it is used).
-                Blobs are read straight into the existing weights and optimizer state, so
-                those may then hold parts of a rejected bundle: rebuild them before training.
-            BundleFormatError: the bundle is malformed (weights and optimizer state may hold
-                parts of it, as above).
-            IncompatibleBundleError: the bundle does not fit these objects. The layers before
-                the one that failed are already restored: rebuild the objects before training.
+                manifest (one that fails is quarantined and the one before it is used). The
+                weights and optimizer state may hold parts of it: rebuild them to train.
+            BundleFormatError: the bundle is malformed (as above for weights and optimizer).
+            IncompatibleBundleError: the bundle does not fit these objects (rebuild them).
             StoreError: the store failed to answer, or a blob read here failed its check while
-                the control plane reads it back intact (a fault on the way): nothing was
-                quarantined; retry the resume.
+                the control plane reads it back intact (a fault on the way): retry.
+            ValueError: ``from_step`` names no complete bundle of that run.
         """
         self.wait()
         chosen = {Layer(layer) for layer in layers}
         wanted = tuple(layer for layer in RESTORE_ORDER if layer in chosen)
-        source = from_run or self.config.run
-        own = source == self.config.run
-        manifest, states = self._restorer.read_newest_intact(source, own=own, wanted=wanted)
+        source, manifest, states = self._restorer.read_start(
+            self.config, from_run=from_run, from_step=from_step, wanted=wanted
+        )
         if manifest is None:
             announce(
                 f"ckpt: run {source}: no resumable bundle in {self.store.url}; starting fresh",
@@ -230,6 +233,7 @@ class Checkpointer:
             )
             return ResumeResult(bundle=None, step=None, layers=())
         capture.put_back(self.objects, states, bundle=bundle_name(manifest))
+        own = source == self.config.run
         self._resumed_at(manifest.step, own=own, whole=wanted == RESTORE_ORDER)
         self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
         announce(

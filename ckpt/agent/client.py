@@ -101,6 +101,25 @@ class ControlPlane:
             raise
         return Manifest.model_validate(body["manifest"])
 
+    def bundle_at(self, run: str, step: int) -> Manifest | None:
+        """The manifest of ``run``'s complete bundle at ``step`` (the newest, after a
+        rollback saved that step twice), or None."""
+        try:
+            lineage = self._call("GET", f"/v1/runs/{run}/lineage")
+        except ControlPlaneError as err:
+            if err.status == 404:
+                return None
+            raise
+        found = [
+            bundle["id"]
+            for bundle in lineage["bundles"]
+            if bundle["step"] == step and bundle["status"] == "complete"
+        ]
+        if not found:
+            return None
+        body = self._call("GET", f"/v1/bundles/{max(found)}")
+        return Manifest.model_validate(body["manifest"])
+
     def open_bundle(
         self, run: str, *, attempt: Registration, step: int, world_size: int, versions: Versions
     ) -> int:

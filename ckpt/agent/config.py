@@ -32,6 +32,8 @@ ENV = {
     "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
     "quiet": "CKPT_QUIET",
     "rank_timeout_seconds": "CKPT_RANK_TIMEOUT_SECONDS",
+    "from_run": "CKPT_FROM_RUN",
+    "from_step": "CKPT_FROM_STEP",
 }
 
 
@@ -71,6 +73,10 @@ class Config:
         rank_timeout_seconds: how long the ranks of a job wait for each other at a meeting
             (the step of a save, the commit) before the save fails: a rank that died
             (``CKPT_RANK_TIMEOUT_SECONDS``, default 300).
+        from_run, from_step: start a new run from another run's bundle (``CKPT_FROM_RUN``,
+            ``CKPT_FROM_STEP``; the step defaults to that run's resumable bundle): ``resume()``
+            takes it while this run has no resumable bundle of its own, and this run's own
+            from then on (so a restarted attempt continues the new run, not the fork point).
     """
 
     run: str
@@ -87,9 +93,18 @@ class Config:
     heartbeat_seconds: float = 10.0
     quiet: bool = False
     rank_timeout_seconds: float = 300.0
+    from_run: str | None = None
+    from_step: int | None = None
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
+        if self.from_run is not None:
+            check_run_name(self.from_run)
+        if self.from_step is not None and (self.from_run is None or self.from_step < 0):
+            raise ValueError(
+                f"from_step (CKPT_FROM_STEP={self.from_step}) needs from_run (CKPT_FROM_RUN) "
+                "and a step of 0 or more"
+            )
         if self.every_steps is not None and self.every_steps < 1:
             raise ValueError(f"every_steps must be at least 1, got {self.every_steps}")
         if self.every_seconds is not None and not (
@@ -132,7 +147,7 @@ class Config:
 
 def _parse(name: str, variable: str, text: str) -> object:
     try:
-        if name in ("every_steps", "blob_bytes"):
+        if name in ("every_steps", "blob_bytes", "from_step"):
             return int(text)
         if name in ("every_seconds", "grace_seconds", "heartbeat_seconds", "rank_timeout_seconds"):
             return float(text)

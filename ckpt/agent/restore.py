@@ -17,6 +17,7 @@ import torch
 from ckpt.agent import layers
 from ckpt.agent.capture import live_tensors
 from ckpt.agent.catalog.base import Catalog
+from ckpt.agent.config import Config
 from ckpt.agent.data import reshardable
 from ckpt.agent.download import read_layer
 from ckpt.agent.format import skeleton
@@ -64,20 +65,54 @@ class Restorer:
         self._store, self._catalog, self._objects = store, catalog, objects
         self._ranks = ranks
 
+    def read_start(
+        self,
+        config: Config,
+        *,
+        from_run: str | None,
+        from_step: int | None,
+        wanted: tuple[Layer, ...],
+    ) -> tuple[str, Manifest | None, dict[Layer, layers.State]]:
+        """Where a resume starts, read: the run it reads from, the bundle and its layers.
+
+        ``from_run`` (and ``from_step``) name it; else this run's own newest bundle, or,
+        while this run has none, the bundle ``config.from_run`` / ``config.from_step``
+        name (a new run started from another run's bundle).
+        """
+        if from_step is not None and from_run in (None, config.run):
+            raise ValueError(
+                "from_step names a bundle of another run (from_run=...); to go back in this "
+                "run, roll it back (POST /v1/runs/{run}/rollback) and resume"
+            )
+        if from_run is None:
+            manifest, states = self.read_newest_intact(config.run, own=True, wanted=wanted)
+            if manifest is not None or config.from_run is None:
+                return config.run, manifest, states
+            from_run, from_step = config.from_run, config.from_step
+        own = from_run == config.run
+        manifest, states = self.read_newest_intact(from_run, own=own, wanted=wanted, step=from_step)
+        if manifest is None and from_step is not None:
+            raise ValueError(
+                f"run {from_run} has no resumable bundle at step {from_step} "
+                "(see its lineage: ckpt bundle, or the dashboard)"
+            )
+        return from_run, manifest, states
+
     def read_newest_intact(
-        self, run: str, *, own: bool, wanted: tuple[Layer, ...]
+        self, run: str, *, own: bool, wanted: tuple[Layer, ...], step: int | None = None
     ) -> tuple[Manifest | None, dict[Layer, layers.State]]:
-        """The newest resumable bundle whose every blob verifies, read but not restored.
+        """The newest resumable bundle whose every blob verifies, read but not restored;
+        with ``step``, that step's bundle of (another) ``run`` or none.
 
         Every rank reads its own layers; when a blob fails on any rank, all ranks set the
-        bundle aside together and try the one before it.
+        bundle aside together and try the one before it (not with ``step``).
 
         Raises:
             CorruptBundleError: every resumable bundle failed verification.
             BundleFormatError, IncompatibleBundleError, StoreError: see ``Checkpointer.resume``.
             RankError: another rank failed with one of those.
         """
-        manifest = self._catalog.resumable(run, own=own)
+        manifest = self._catalog.resumable(run, own=own, step=step)
         failed: list[_Failure] = []
         while manifest is not None:
             self._check_compatible(manifest)
@@ -94,9 +129,10 @@ class Restorer:
                 first.message,
             )
             failed.append(first)
-            manifest = self._catalog.fall_back(
+            before = self._catalog.fall_back(
                 run, manifest, own=own, reason=first.message, blob=first.blob
             )
+            manifest = before if step is None else None
         if failed:
             raise _every_bundle_failed(run, failed)
         return None, {}

@@ -314,6 +314,7 @@ def test_the_bundle_page(server: Server, run_name: str) -> None:
         assert len(re.findall(r'data-state="recorded"', page)) == 6
         assert re.search(r'<tr data-sha="[0-9a-f]{64}" data-state="verified"', page)
         assert f"CKPT_RUN={run_name}" in page and 'id="resume-command"' in page
+        assert f"CKPT_FROM_RUN={run_name} CKPT_FROM_STEP=50 ckpt launch" in page
         manifest = browser.get(f"/ui/runs/{run_name}/bundles/{head}/manifest.json")
         with server.client() as api:
             assert manifest.json() == api.get(f"/v1/bundles/{head}").json()["manifest"]

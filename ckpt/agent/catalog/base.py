@@ -15,9 +15,10 @@ Upload = Callable[[HeldBlobs], dict[Layer, LayerRecord]]
 class Catalog(Protocol):
     """Finds the bundle to resume from and commits new ones, for one process of a run."""
 
-    def resumable(self, run: str, *, own: bool) -> Manifest | None:
+    def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
         """The newest resumable bundle of ``run`` (``own``: the checkpointer's run, which
-        this process is about to continue), or None."""
+        this process is about to continue), or None; with ``step`` (another run only), its
+        resumable bundle at that step, or None."""
         ...
 
     def fall_back(

@@ -50,11 +50,15 @@ class ControlPlaneCatalog:
         )
         self._run, self._ranks, self._store_url = run, ranks, store_url
 
-    def resumable(self, run: str, *, own: bool) -> Manifest | None:
+    def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
         """Register this attempt (fencing every older one); resume from the bundle the
-        control plane names, or (another run) that run's resumable bundle."""
-        registration = self.attempt.register(resume=own)
-        return registration.resume_from if own else self.control.resumable(run)
+        control plane names, or (another run) that run's resumable bundle, or its complete
+        bundle at ``step``."""
+        if own:
+            return self.attempt.register(resume=True).resume_from
+        if self.attempt.registration is None:
+            self.attempt.register(resume=False)
+        return self.control.resumable(run) if step is None else self.control.bundle_at(run, step)
 
     def fall_back(
         self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str

@@ -31,10 +31,13 @@ class StoreCatalog:
         self._own_steps: set[int] = set()  # steps of bundles this process resumed or wrote
         self._verified: set[str] = set()  # blobs known to be intact in the store
 
-    def resumable(self, run: str, *, own: bool) -> Manifest | None:
-        return self._ranks.from_first(
-            lambda: latest_manifest(self._store, run), timeout=MEET_SECONDS
-        )
+    def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
+        def find() -> Manifest | None:
+            below = None if step is None else step + 1
+            found = latest_manifest(self._store, run, below=below)
+            return found if step is None or (found and found.step == step) else None
+
+        return self._ranks.from_first(find, timeout=MEET_SECONDS)
 
     def fall_back(
         self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str

@@ -68,6 +68,7 @@ class BundlePage:
     blobs: list[BlobView]
     num_blobs: int
     saves: list[Save]
+    new_run_command: str | None
     resume_command: str | None
     resume_note: str
     layers: list[str] = field(default_factory=lambda: [layer.value for layer in RESTORE_ORDER])
@@ -136,6 +137,7 @@ def bundle_page(
         ],
         num_blobs=len(sizes),
         saves=saves,
+        new_run_command=new_run_command(run.name, bundle, server_url=server_url),
         resume_command=command,
         resume_note=note,
     )
@@ -174,10 +176,23 @@ def _blob(sha256: str, size: int, blob: Blob | None) -> BlobView:
     return BlobView(sha256=sha256, size=size, state=state)
 
 
+def new_run_command(run: str, bundle: Bundle, *, server_url: str) -> str | None:
+    """The shell command that starts a new run from ``bundle`` (``CKPT_FROM_RUN`` /
+    ``CKPT_FROM_STEP``); None when it cannot be resumed from."""
+    if bundle.status != BundleStatus.COMPLETE:
+        return None
+    return (
+        f"CKPT_SERVER={shlex.quote(server_url)} "
+        f"CKPT_RUN={shlex.quote(f'{run}-from-{bundle.step}')} "
+        f"CKPT_FROM_RUN={shlex.quote(run)} CKPT_FROM_STEP={bundle.step} "
+        "ckpt launch -- python train.py"
+    )
+
+
 def resume_command(
     run: str, bundle: Bundle, *, resumable_id: int | None, server_url: str
 ) -> tuple[str | None, str]:
-    """The shell command that resumes training from ``bundle``, and a note on it.
+    """The shell command that continues the run itself from ``bundle``, and a note on it.
 
     A run always resumes from its live branch's newest complete bundle: for that bundle the
     command is the job's launch; for an older complete one, a rollback to it first (the run's
