@@ -214,10 +214,13 @@ class Save(Base):
             "payload_bytes",
             "new_bytes",
         ),
+        # And the bytes of whole runs, from this one alone (no join through bundle).
+        Index(None, "run_id", "payload_bytes", "new_bytes"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
     bundle_id: Mapped[int] = mapped_column(ForeignKey("bundle.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))  # the bundle's
     rank: Mapped[int]
     stall_seconds: Mapped[float] = mapped_column(Float)  # training waited this long
     persist_seconds: Mapped[float] = mapped_column(Float)  # end of staging to the commit

@@ -152,3 +152,47 @@ def test_downgrade_to_base_and_upgrade_again(database_url: str, engine: Engine) 
     assert tables(engine) == model_tables() | {"alembic_version"}
     assert diff(engine) == []
     assert schema_revision(engine) == (head, head)
+
+
+def test_saves_get_their_bundles_run(database_url: str, engine: Engine) -> None:
+    """The migration that gives each save its run fills it in from the save's bundle."""
+    command.upgrade(alembic_config(database_url), "2026_11_30_0006")
+    run, bundle, save = (Base.metadata.tables[name] for name in ("run", "bundle", "save"))
+    with engine.begin() as connection:
+        for run_id in (1, 2):
+            connection.execute(
+                run.insert().values(id=run_id, name=f"run-{run_id}", created_at=NOW, epoch=1)
+            )
+        for bundle_id, run_id in ((10, 1), (11, 2), (12, 2)):
+            connection.execute(
+                bundle.insert().values(
+                    id=bundle_id,
+                    run_id=run_id,
+                    step=bundle_id,
+                    world_size=2,
+                    status="complete",
+                    pinned=False,
+                    created_at=NOW,
+                    versions={},
+                )
+            )
+        for save_id, (bundle_id, rank) in enumerate(((10, 0), (10, 1), (11, 0), (12, 1))):
+            connection.execute(
+                save.insert().values(
+                    id=save_id + 1,
+                    bundle_id=bundle_id,
+                    rank=rank,
+                    stall_seconds=0.1,
+                    persist_seconds=1.0,
+                    payload_bytes=100,
+                    new_bytes=10,
+                    reported_at=NOW,
+                )
+            )
+
+    upgrade(database_url)
+
+    assert diff(engine) == []
+    with engine.connect() as connection:
+        rows = connection.execute(select(save.c.bundle_id, save.c.rank, save.c.run_id)).all()
+    assert sorted(tuple(row) for row in rows) == [(10, 0, 1), (10, 1, 1), (11, 0, 2), (12, 1, 2)]

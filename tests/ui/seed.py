@@ -175,6 +175,7 @@ def _add_bundle(
         rows.add(
             "save",
             bundle_id=bundle_id,
+            run_id=run_id,
             rank=0,
             stall_seconds=0.05 + (step % 13) / 100,
             persist_seconds=0.5 + (step % 7) / 10,

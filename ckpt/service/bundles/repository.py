@@ -94,14 +94,17 @@ def insert_layer(
     return True
 
 
-def put_save(session: Session, *, bundle_id: int, rank: int, figures: Mapping[str, float]) -> bool:
-    """Store a rank's save figures, replacing any it reported before; whether they are new."""
+def put_save(
+    session: Session, *, bundle_id: int, run_id: int, rank: int, figures: Mapping[str, float]
+) -> bool:
+    """Store a rank's save figures, replacing any it reported before; whether they are new.
+    ``run_id`` is the bundle's run (the dashboard sums a run's saves by it)."""
     values = {**figures, "reported_at": utcnow()}
     # Not ON CONFLICT DO UPDATE: the caller must know an insert from a replace, and only
     # Postgres can tell them apart in RETURNING. A racing insert makes this one do nothing.
     inserted = session.execute(
         insert(session, Save)
-        .values(bundle_id=bundle_id, rank=rank, **values)
+        .values(bundle_id=bundle_id, run_id=run_id, rank=rank, **values)
         .on_conflict_do_nothing(index_elements=["bundle_id", "rank"])
         .returning(Save.id)
     ).first()

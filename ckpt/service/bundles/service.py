@@ -191,7 +191,11 @@ def report_save(
                 f"{bundle.world_size}, so its ranks are 0 to {bundle.world_size - 1}"
             )
         new = repository.put_save(
-            session, bundle_id=bundle.id, rank=rank, figures=figures.model_dump()
+            session,
+            bundle_id=bundle.id,
+            run_id=bundle.run_id,
+            rank=rank,
+            figures=figures.model_dump(),
         )
         saved = repository.get_save(session, bundle_id=bundle.id, rank=rank)
         assert saved is not None
