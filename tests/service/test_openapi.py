@@ -35,7 +35,7 @@ def sqlite_server(make_server: MakeServer) -> Server:
 
 
 def description(server: Server) -> dict[str, Any]:
-    response = httpx.get(f"{server.url}/openapi.json")
+    response = httpx.get(f"{server.url}/openapi.json", timeout=60)
     assert response.status_code == 200, response.text
     schema: dict[str, Any] = response.json()
     return schema
@@ -169,6 +169,7 @@ def test_the_bodies_the_server_sends_are_the_documented_ones(server: Server) -> 
                     f"{server.url}/v1/runs",
                     json={"name": "x"},
                     headers={"Authorization": f"Bearer {reader['token']}"},
+                    timeout=60,
                 ),
             ),
             "not found": ("/v1/bundles/{bundle}", admin.get("/v1/bundles/987654")),
@@ -257,7 +258,7 @@ ASSET = re.compile(r"""(?:src|href)="([^"]+)"|url: '([^']+)'""")
 
 
 def test_the_docs_page_loads_nothing_from_elsewhere(sqlite_server: Server) -> None:
-    with httpx.Client(base_url=sqlite_server.url) as anonymous:  # no token needed
+    with httpx.Client(timeout=60, base_url=sqlite_server.url) as anonymous:  # no token needed
         page = anonymous.get("/docs")
         assert page.status_code == 200, page.text
         assert page.headers["content-type"].startswith("text/html")

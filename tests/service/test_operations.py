@@ -43,7 +43,7 @@ def server_env(server: Server) -> dict[str, str]:
 
 
 def test_probes_and_metrics(server: Server, run_name: str) -> None:
-    with httpx.Client(base_url=server.url) as anonymous:
+    with httpx.Client(timeout=60, base_url=server.url) as anonymous:
         assert anonymous.get("/healthz").json() == {"status": "ok"}
         ready = anonymous.get("/readyz")
         assert ready.status_code == 200
@@ -71,7 +71,7 @@ def test_readyz_reports_a_schema_behind_the_migrations(
     app = create_app(settings)
     address, stop = serve(app)
     try:
-        answer = httpx.get(f"{address}/readyz")
+        answer = httpx.get(f"{address}/readyz", timeout=60)
     finally:
         stop()
         app.state.context.close()

@@ -148,7 +148,9 @@ def test_a_token_over_its_rate_gets_429_with_retry_after(
         probes = [client.get(path).status_code for path in ("/healthz", "/readyz") * 3]
     with server.client() as admin:  # another token: its own bucket
         assert admin.get("/v1/runs").status_code == 200
-    with httpx.Client(base_url=server.url) as anonymous:  # no token: refused, not limited
+    with httpx.Client(
+        timeout=60, base_url=server.url
+    ) as anonymous:  # no token: refused, not limited
         assert {anonymous.get("/v1/runs").status_code for _ in range(5)} == {401}
     assert answers == [200, 200, 200]
     assert over.status_code == 429, over.text

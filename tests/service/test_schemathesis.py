@@ -113,5 +113,5 @@ def test_the_api_as_a_run_token(live: ServerProcess, tmp_path: Path) -> None:
         phases="coverage,fuzzing",
     )
     assert_every_operation_tested(result)
-    with httpx.Client(base_url=live.url) as anonymous:
+    with httpx.Client(timeout=60, base_url=live.url) as anonymous:
         assert anonymous.get("/healthz").status_code == 200  # still up

@@ -60,7 +60,7 @@ def signin_form(client: httpx.Client) -> str:
 
 
 def test_pages_need_a_session(server: Server) -> None:
-    with httpx.Client(base_url=server.url) as client:
+    with httpx.Client(timeout=60, base_url=server.url) as client:
         assert client.get("/").headers["location"] == "/ui/"
         for path in (
             "/ui/",
@@ -76,7 +76,7 @@ def test_pages_need_a_session(server: Server) -> None:
 
 def test_sign_in_sets_a_strict_session_cookie(server: Server) -> None:
     secret = token(server)["token"]
-    with httpx.Client(base_url=server.url) as client:
+    with httpx.Client(timeout=60, base_url=server.url) as client:
         csrf = signin_form(client)
         done = client.post("/ui/signin", data={"token": secret, "csrf": csrf, "next": "/ui/runs/a"})
         assert done.status_code == 303
@@ -92,7 +92,7 @@ def test_sign_in_sets_a_strict_session_cookie(server: Server) -> None:
 
 
 def test_no_redirect_to_another_site_after_sign_in(server: Server) -> None:
-    with httpx.Client(base_url=server.url) as client:
+    with httpx.Client(timeout=60, base_url=server.url) as client:
         csrf = signin_form(client)
         for target in ("https://evil.example/", "//evil.example/ui/", "/ui/\\evil"):
             data = {"token": server.admin_token, "csrf": csrf, "next": target}
@@ -102,7 +102,7 @@ def test_no_redirect_to_another_site_after_sign_in(server: Server) -> None:
 def test_sign_in_over_https_sets_a_secure_cookie(server: Server) -> None:
     # As behind a TLS proxy on loopback, which uvicorn trusts to say the scheme.
     https = {"X-Forwarded-Proto": "https"}
-    with httpx.Client(base_url=server.url, headers=https) as client:
+    with httpx.Client(timeout=60, base_url=server.url, headers=https) as client:
         form = client.get("/ui/signin")
         assert "secure" in form.headers["set-cookie"].lower()
         csrf = csrf_field(form.text)
@@ -117,7 +117,7 @@ def test_sign_in_over_https_sets_a_secure_cookie(server: Server) -> None:
 
 
 def test_a_bad_token_gets_401_and_no_session(server: Server) -> None:
-    with httpx.Client(base_url=server.url) as client:
+    with httpx.Client(timeout=60, base_url=server.url) as client:
         csrf = signin_form(client)
         refused = client.post("/ui/signin", data={"token": "ckpt_nope", "csrf": csrf})
         assert refused.status_code == 401
@@ -160,7 +160,7 @@ def test_cross_site_forms_are_refused(server: Server) -> None:
         signed_out = browser.post("/ui/signout", data={"csrf": csrf}, headers=own)
         assert signed_out.status_code == 303
         assert browser.get("/ui/").status_code == 303
-    with httpx.Client(base_url=server.url) as client:
+    with httpx.Client(timeout=60, base_url=server.url) as client:
         csrf = signin_form(client)
         data = {"token": server.admin_token, "csrf": csrf}
         refused = client.post("/ui/signin", data=data, headers={"Origin": "https://evil.example"})

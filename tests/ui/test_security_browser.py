@@ -177,11 +177,11 @@ def test_client_text_is_shown_as_text_and_never_runs(open_page: OpenPage, target
 
 def test_no_page_is_readable_without_a_session(open_page: OpenPage, target: Target) -> None:
     url = target.server.url
-    home = httpx.get(f"{url}/")
+    home = httpx.get(f"{url}/", timeout=60)
     assert home.status_code == 303 and home.headers["location"].endswith("/ui/")
     forged = {"ckpt_session": "forged-0123456789abcdef"}
     for cookies in ({}, forged):
-        with httpx.Client(base_url=url, cookies=cookies) as client:
+        with httpx.Client(timeout=60, base_url=url, cookies=cookies) as client:
             for path in target.pages():
                 answer = client.get(path)
                 assert "xss-pod" not in answer.text
@@ -307,7 +307,9 @@ def test_the_session_cookie_is_httponly_strict_scoped_and_ends_at_sign_out(
     with page.expect_navigation():
         page.locator("form.signout button[type=submit]").click()
     assert urlparse(page.url).path == "/ui/signin"
-    with httpx.Client(base_url=url, cookies={"ckpt_session": session["value"]}) as client:
+    with httpx.Client(
+        timeout=60, base_url=url, cookies={"ckpt_session": session["value"]}
+    ) as client:
         assert client.get("/ui/").status_code == 303  # ended in the catalog, not just forgotten
 
 
@@ -348,7 +350,7 @@ def test_the_cookies_are_secure_when_the_request_is_https(target: Target) -> Non
     """Behind a TLS proxy (``X-Forwarded-Proto: https`` from 127.0.0.1, which uvicorn
     trusts) both cookies are marked Secure."""
     https = {"X-Forwarded-Proto": "https"}
-    with httpx.Client(base_url=target.server.url, headers=https) as client:
+    with httpx.Client(timeout=60, base_url=target.server.url, headers=https) as client:
         form = client.get("/ui/signin")
         csrf = _set_cookies(form)["ckpt_csrf"]
         assert csrf["secure"] and csrf["httponly"] and csrf["samesite"].lower() == "strict"

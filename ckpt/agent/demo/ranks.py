@@ -169,6 +169,7 @@ def drills(job: Job, args: argparse.Namespace, position: tuple[int, int]) -> Non
         print(f"rank {rank}: SIGTERM at step {position[0]}.{position[1]}", flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
     if position == args.kill_at and drill_armed(args.drill_marker):
+        job.ckpt.wait()  # the saves before the kill durable however slow the machine
         print(f"rank {rank}: killed at step {position[0]}.{position[1]}", flush=True)
         dist.barrier()  # every rank reaches the drill before any dies
         if rank == 0 and args.drill_marker is not None:

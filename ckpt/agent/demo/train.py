@@ -109,7 +109,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--save-at", type=parse_position, default=None, help="STEP[.MICRO]: save exactly there")
     add("--save-at-epoch-end", type=int, default=None, help="save after the loop over EPOCH ends")
     add("--kill-after-save", action="store_true", help="SIGKILL itself right after that save")
-    add("--kill-at", type=parse_position, default=None, help="STEP[.MICRO]: SIGKILL itself there")
+    add(
+        "--kill-at",
+        type=parse_position,
+        default=None,
+        help="STEP[.MICRO]: SIGKILL itself there, once the saves before it are durable",
+    )
     add("--loader", choices=["sampler", "stateful"], default="sampler")
     add("--workers", type=int, default=2)
     add("--persistent-workers", action="store_true")
@@ -290,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
             if position == args.kill_at:
+                job.ckpt.wait()  # the saves before the kill durable however slow the machine
                 print(f"killed at step {position[0]}, micro step {position[1]}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             if counters.step >= args.steps or (saved and args.break_after_save):
