@@ -273,6 +273,7 @@ def measure_ckpt(
         cold.wait()
         for _ in range(repeat):
             train_step(optimizer)  # every tensor changes: nothing is deduplicated
+            ckpt.counters.step += 1  # a save at the position already durable saves nothing
             pending = ckpt.save()
             result = pending.wait()
             assert result.new_bytes > 0.99 * result.payload_bytes, result
@@ -318,6 +319,7 @@ def measure_dedup(store: ObjectStore, args: Any) -> tuple[float, float, float, f
     ) as ckpt:
         ckpt.save().wait()
         train_step(optimizer)
+        ckpt.counters.step += 1
         pending = ckpt.save()
         second = pending.wait()
     floor = copy_floor(state_tensors(model, optimizer), args.repeat)
