@@ -22,16 +22,15 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckpt.core.storage import DirectoryStore
+from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
 from tests.service.helpers import register, save
 
@@ -98,16 +97,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         measure("SQLite (embedded)", Path(tmp) / "sqlite", None, args)
     if args.postgres:
-        name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
-        with psycopg.connect(args.postgres, autocommit=True) as connection:
-            connection.execute(f'CREATE DATABASE "{name}"')
-        url = args.postgres.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                measure("PostgreSQL", Path(tmp) / "pg", f"{url}/{name}", args)
-        finally:
-            with psycopg.connect(args.postgres, autocommit=True) as connection:
-                connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        with throwaway_database(args.postgres) as url, tempfile.TemporaryDirectory() as tmp:
+            measure("PostgreSQL", Path(tmp) / "pg", url, args)
 
 
 if __name__ == "__main__":

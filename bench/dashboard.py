@@ -24,16 +24,15 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckpt.service.db import make_engine, upgrade
+from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
 from tests.ui.plans import page_plans
 from tests.ui.seed import Shape, seed
@@ -167,17 +166,9 @@ def main() -> None:
         big_attempts=args.big_attempts,
         big_bundles=args.big_bundles,
     )
-    name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(args.postgres, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    base = args.postgres.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    url = f"{base}/{name}"
-    try:
+    with throwaway_database(args.postgres) as url:
         upgrade(url)
         measure(url, shape, args)
-    finally:
-        with psycopg.connect(args.postgres, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

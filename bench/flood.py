@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.databases import throwaway_database
 from tests.server_process import ServerProcess, ckpt_server
 
 HOSTILE_PAUSE = 0.01  # seconds a client that ignores Retry-After waits after a 429
@@ -201,18 +201,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             measure("SQLite (embedded)", Path(tmp) / "sqlite", None, args)
         return
-    import psycopg
-
-    name = f"ckpt_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(args.postgres, autocommit=True) as connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    url = args.postgres.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            measure("PostgreSQL", Path(tmp) / "pg", f"{url}/{name}", args)
-    finally:
-        with psycopg.connect(args.postgres, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with throwaway_database(args.postgres) as url, tempfile.TemporaryDirectory() as tmp:
+        measure("PostgreSQL", Path(tmp) / "pg", url, args)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from ckpt.service.app import create_app
 from ckpt.service.context import Context
 from ckpt.service.db import upgrade
 from ckpt.service.settings import Settings
+from tests.databases import create_database, drop_database
 
 PG_ADMIN = os.environ.get("CKPT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 ADMIN_TOKEN = "test-admin-token-0123456789"
@@ -34,22 +35,16 @@ def create_pg_database() -> str:
     Without a reachable server the test is skipped, unless CKPT_REQUIRE_POSTGRES is set
     (CI sets it: there, a missing PostgreSQL fails the run).
     """
-    name = f"ckpt_test_{uuid.uuid4().hex[:12]}"
     try:
-        connection = psycopg.connect(PG_ADMIN, autocommit=True, connect_timeout=5)
+        return create_database(PG_ADMIN, prefix="ckpt_test", connect_timeout=5)
     except psycopg.OperationalError as err:
         if os.environ.get("CKPT_REQUIRE_POSTGRES"):
             raise
         pytest.skip(f"no PostgreSQL at {PG_ADMIN} (set CKPT_TEST_PG): {err}")
-    with connection:
-        connection.execute(f'CREATE DATABASE "{name}"')
-    return PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://") + "/" + name
 
 
 def drop_pg_database(url: str) -> None:
-    name = url.rsplit("/", 1)[1]
-    with psycopg.connect(PG_ADMIN, autocommit=True) as connection:
-        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    drop_database(PG_ADMIN, url)
 
 
 @pytest.fixture(scope="session")
