@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -51,22 +52,29 @@ def ckpt_server(
 ) -> Iterator[ServerProcess]:
     """``ckpt server`` on a free port, with its store under ``root`` unless ``store`` names
     one; stopped on exit."""
-    port = free_port()
     store = store or str(root / "store")
     log = root / "server.log"
+    token = f"{TOKEN}-{secrets.token_hex(4)}"  # tells this server from any other
     environment = {
         **os.environ,
         **(env or {}),
         "CKPT_DATABASE_URL": database_url or f"sqlite:///{root / 'catalog.db'}",
         "CKPT_STORE": store,
-        "CKPT_ADMIN_TOKEN": TOKEN,
+        "CKPT_ADMIN_TOKEN": token,
         "CKPT_AUTO_MIGRATE": "1",
         "CKPT_GC_INTERVAL_SECONDS": "0",
     }
-    command = [sys.executable, "-m", "ckpt", "server", "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with serving(command, env=environment, cwd=root, log=log, url=url):
-        yield ServerProcess(url=url, token=TOKEN, store=store, log=log)
+    for tries_left in reversed(range(3)):
+        port = free_port()
+        command = [sys.executable, "-m", "ckpt", "server", "--port", str(port)]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            with serving(command, env=environment, cwd=root, log=log, url=url):
+                yield ServerProcess(url=url, token=token, store=store, log=log)
+                return
+        except PortTakenError:
+            if not tries_left:
+                raise
 
 
 @contextmanager
@@ -78,7 +86,7 @@ def serving(
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_ready(url, process, log, what=" ".join(command))
+        _wait_ready(url, process, log, what=" ".join(command), token=env.get("CKPT_ADMIN_TOKEN"))
         yield process
     finally:
         process.terminate()
@@ -89,15 +97,33 @@ def serving(
             process.wait()
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, *, what: str) -> None:
+class PortTakenError(RuntimeError):
+    """Another process took the free port first (two test workers picked the same one)."""
+
+
+def _wait_ready(
+    url: str, process: subprocess.Popen[bytes], log: Path, *, what: str, token: str | None
+) -> None:
+    """Until the server answers ready, and, when it has an admin ``token``, accepts it: a
+    server on a port another one took first must not pass for ours."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{what} exited {process.returncode}:\n{log.read_text()}")
+            text = log.read_text()
+            if "address already in use" in text.lower():
+                raise PortTakenError(f"{what}: {url} was taken")
+            raise RuntimeError(f"{what} exited {process.returncode}:\n{text}")
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and (
+                token is None or _accepts(url, token)
+            ):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{what} did not become ready in 60 s:\n{log.read_text()}")
+
+
+def _accepts(url: str, token: str) -> bool:
+    headers = {"Authorization": f"Bearer {token}"}
+    return httpx.get(f"{url}/v1/runs", headers=headers, timeout=2).status_code == 200

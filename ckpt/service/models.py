@@ -120,6 +120,39 @@ class Run(Base):
     dedup_group: Mapped[str | None] = mapped_column(String(128))
 
 
+# A run's state besides the end reasons of its newest attempt (RunActivity.state).
+NEW = "new"  # no attempt has registered yet
+TRAINING = "training"  # its newest attempt has not ended
+
+
+class RunActivity(Base):
+    """A run's state and last activity, as of its newest attempt (``new`` and its creation
+    before any), and the figures of its attempts: what the runs page sorts, filters and
+    shows, kept by every write to attempts (``runs.repository.refresh_activity``) so that a
+    page of runs is a range of an index, not the newest attempt of every run, and a run of
+    a thousand attempts costs no more to show than a run of one. A table of its own:
+    heartbeats share-lock the run row, so writing it there would deadlock a heartbeat and an
+    end of the same attempt."""
+
+    __tablename__ = "run_activity"
+    __table_args__ = (
+        Index(None, "active_at", "run_id"),
+        Index(None, "state", "active_at", "run_id"),
+    )
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))
+    active_at: Mapped[datetime]
+    attempts: Mapped[int] = mapped_column(default=0)
+    preemptions: Mapped[int] = mapped_column(default=0)
+    steps_lost: Mapped[int] = mapped_column(BigInteger, default=0)  # lineage.steps_lost, summed
+    steps_computed: Mapped[int] = mapped_column(BigInteger, default=0)  # repeats included
+    # What every attempt but the newest computed: a heartbeat adds the newest's own to it.
+    earlier_steps_computed: Mapped[int] = mapped_column(BigInteger, default=0)
+    bundles: Mapped[int] = mapped_column(default=0)  # rows in bundle, whatever their status
+    writes: Mapped[int] = mapped_column(BigInteger, default=0)  # to its attempts: a version
+
+
 class Attempt(Base):
     __tablename__ = "attempt"
     __table_args__ = (
@@ -214,8 +247,17 @@ class Save(Base):
             "payload_bytes",
             "new_bytes",
         ),
-        # And the bytes of whole runs, from this one alone (no join through bundle).
-        Index(None, "run_id", "payload_bytes", "new_bytes"),
+        # And the bytes of whole runs, and the figures of a run's newest bundles (the run
+        # page's chart: a range of bundle ids), from this one alone (no join through bundle).
+        Index(
+            "ix_save_run_figures",
+            "run_id",
+            "bundle_id",
+            "stall_seconds",
+            "persist_seconds",
+            "payload_bytes",
+            "new_bytes",
+        ),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

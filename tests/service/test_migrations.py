@@ -4,7 +4,7 @@ migrations go down and up again cleanly."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,11 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Column, Engine, Integer, MetaData, String, inspect, select
+from sqlalchemy.orm import Session
 
 from ckpt.service.db import alembic_config, make_engine, schema_revision, upgrade
 from ckpt.service.models import Base
+from ckpt.service.runs.repository import refresh_activity
 from tests.service.conftest import create_pg_database, drop_pg_database
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
@@ -196,3 +198,70 @@ def test_saves_get_their_bundles_run(database_url: str, engine: Engine) -> None:
     with engine.connect() as connection:
         rows = connection.execute(select(save.c.bundle_id, save.c.rank, save.c.run_id)).all()
     assert sorted(tuple(row) for row in rows) == [(10, 0, 1), (10, 1, 1), (11, 0, 2), (12, 1, 2)]
+
+
+def test_runs_get_their_state_activity_and_figures(database_url: str, engine: Engine) -> None:
+    """The migration that keeps each run's state, activity and attempt figures fills them in
+    from the run's attempts (a run without one is new, active when it was created), as the
+    service itself computes them."""
+    command.upgrade(alembic_config(database_url), "2026_11_30_0007")
+    run, attempt, bundle = (Base.metadata.tables[name] for name in ("run", "attempt", "bundle"))
+    later = NOW + timedelta(minutes=5)
+    with engine.begin() as connection:
+        for run_id in (1, 2, 3):
+            connection.execute(
+                run.insert().values(id=run_id, name=f"run-{run_id}", created_at=NOW, epoch=2)
+            )
+        connection.execute(
+            bundle.insert().values(
+                id=10,
+                run_id=1,
+                step=20,
+                world_size=1,
+                status="complete",
+                pinned=False,
+                created_at=NOW,
+                versions={},
+            )
+        )
+        attempts = [  # (id, run, epoch, heartbeat, ended, reason, last step, resumed from)
+            (1, 1, 1, NOW, NOW, "preempted", 30, None),
+            (2, 1, 2, later, None, None, 50, 10),
+            (3, 2, 1, NOW, None, None, None, None),
+            (4, 2, 2, NOW, later, "lost", None, None),
+        ]
+        for id_, run_id, epoch, beat, ended, reason, last_step, resumed in attempts:
+            connection.execute(
+                attempt.insert().values(
+                    id=id_,
+                    run_id=run_id,
+                    epoch=epoch,
+                    started_at=NOW,
+                    heartbeat_at=beat,
+                    ended_at=ended,
+                    end_reason=reason,
+                    last_step=last_step,
+                    resumed_from_id=resumed,
+                )
+            )
+
+    upgrade(database_url)
+
+    assert diff(engine) == []
+    activity = Base.metadata.tables["run_activity"]
+    # run 1: epoch 1 lost steps 20 to 30; computed 30 + 30 (60), 30 before the newest
+    expected = [
+        (1, "training", later, 2, 1, 10, 60, 30, 1),
+        (2, "lost", later, 2, 0, 0, 0, 0, 0),
+        (3, "new", NOW, 0, 0, 0, 0, 0, 0),
+    ]
+    with engine.connect() as connection:
+        rows = connection.execute(select(activity).order_by(activity.c.run_id)).all()
+    assert [(*row[:-1],) for row in rows] == expected
+    assert {row.writes for row in rows} == {0}
+    with Session(engine) as session, session.begin():
+        refresh_activity(session, run_ids=[1, 2, 3])
+    with engine.connect() as connection:
+        rows = connection.execute(select(activity).order_by(activity.c.run_id)).all()
+    assert [(*row[:-1],) for row in rows] == expected
+    assert {row.writes for row in rows} == {1}

@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Table, insert, text
 
-from ckpt.service import models
+from ckpt.service import lineage, models
 
 STATES = ("training", "preempted", "lost", "finished", "failed")
 VERSIONS = {"ckpt": "0.1.0", "python": "3.11", "torch": "2.13.0"}
@@ -144,6 +144,43 @@ def add_run(
             )
             if status == "complete":
                 run["head_bundle_id"] = parent
+    rows.tables.setdefault("run_activity", []).append(
+        _activity(rows, run_id=run_id, state=state, attempts=attempts)
+        | {"bundles": bundles, "writes": 0}
+    )
+
+
+def _activity(rows: Rows, *, run_id: int, state: str, attempts: int) -> dict[str, Any]:
+    """The run's row of ``run_activity``, as ``runs.repository.refresh_activity`` keeps it."""
+    found = rows.tables["attempt"][-attempts:]
+    bundles = rows.tables["bundle"]
+
+    def start(attempt: dict[str, Any]) -> int:
+        resumed = attempt["resumed_from_id"]
+        return int(bundles[resumed - 1]["step"]) if resumed else 0
+
+    nodes = [
+        lineage.AttemptNode(
+            id=a["id"],
+            epoch=a["epoch"],
+            last_step=a["last_step"],
+            end_reason=a["end_reason"],
+            resumed_step=start(a),
+        )
+        for a in found
+    ]
+    computed = [max(0, a["last_step"] - start(a)) for a in found]
+    newest = found[-1]
+    return {
+        "run_id": run_id,
+        "state": state,
+        "active_at": newest["ended_at"] or newest["heartbeat_at"],
+        "attempts": attempts,
+        "preemptions": sum(a["end_reason"] == "preempted" for a in found),
+        "steps_lost": sum(n or 0 for n in lineage.steps_lost_by_attempt(nodes).values()),
+        "steps_computed": sum(computed),
+        "earlier_steps_computed": sum(computed[:-1]),
+    }
 
 
 def _add_bundle(
@@ -200,7 +237,8 @@ def _roll_back(rows: Rows, *, run_id: int, head: int, epoch: int, at: datetime) 
     return int(target)
 
 
-ORDER = ("run", "attempt", "bundle", "save", "rollback")
+ORDER = ("run", "attempt", "run_activity", "bundle", "save", "rollback")
+KEYED_BY_RUN = {"run_activity"}  # no id of its own
 
 
 def write(engine: Engine, rows: Rows) -> dict[str, int]:
@@ -222,7 +260,7 @@ def write(engine: Engine, rows: Rows) -> dict[str, int]:
 
 
 def _advance_sequences(connection: Connection) -> None:
-    for name in ORDER:
+    for name in set(ORDER) - KEYED_BY_RUN:
         connection.execute(
             text(
                 f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), "

@@ -16,6 +16,7 @@ import pytest
 from ckpt.core.contract import Layer
 from ckpt.service import completeness
 from ckpt.service.models import Attempt, Bundle, Run, utcnow
+from ckpt.service.runs.repository import refresh_activity
 from ckpt.service.ui import window
 from ckpt.service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage
 from ckpt.service.ui.pages import missing_words
@@ -191,6 +192,7 @@ def plant_evil_run(server: Server) -> None:
         session.add(bundle)
         session.flush()
         run.head_bundle_id = bundle.id
+        refresh_activity(session, run_ids=[run.id])
 
 
 def test_client_text_is_escaped_everywhere(server: Server) -> None:
@@ -245,6 +247,7 @@ def plant_runs(server: Server, count: int) -> None:
             session.add(
                 Attempt(run_id=run.id, epoch=1, started_at=at, ended_at=ended, end_reason=reason)
             )
+            refresh_activity(session, run_ids=[run.id])
 
 
 def rows(html: str) -> list[str]:

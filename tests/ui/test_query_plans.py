@@ -11,8 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from ckpt.service.db import make_engine, upgrade
+from ckpt.service.models import RunActivity
+from ckpt.service.runs.repository import refresh_activity
 from tests.service.conftest import create_pg_database, drop_pg_database
 from tests.ui.plans import page_plans
 from tests.ui.seed import Shape, seed
@@ -53,3 +57,22 @@ def test_no_page_scans_bundles_without_an_index(tmp_path: Path, database: str) -
         for scan in plan.bad_scans()
     }
     assert bad == set(), "\n\n".join(sorted(bad))
+
+
+def test_the_seeded_figures_are_the_services(database: str) -> None:
+    """The seed writes each run's ``run_activity`` row itself (in bulk); the service, asked
+    to compute them from the attempts, finds the same: the benchmark measures real rows."""
+    upgrade(database)
+    engine = make_engine(database)
+    seed(engine, Shape(runs=40, big_attempts=250, big_bundles=1200))
+    activity = RunActivity.__table__
+    figures = select(*(c for c in activity.c if c.name != "writes")).order_by(activity.c.run_id)
+    with engine.connect() as connection:
+        seeded = connection.execute(figures).all()
+    with Session(engine) as session, session.begin():
+        refresh_activity(session, run_ids=[row.run_id for row in seeded])
+    with engine.connect() as connection:
+        computed = connection.execute(figures).all()
+    engine.dispose()
+    assert len(seeded) == 41
+    assert computed == seeded

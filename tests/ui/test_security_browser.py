@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from ckpt.core.storage import DirectoryStore
 from ckpt.service.db import make_engine
 from ckpt.service.models import Attempt, Run
+from ckpt.service.runs.repository import refresh_activity
 from tests.server_process import ServerProcess, ckpt_server
 from tests.service.helpers import register, save
 from tests.ui.conftest import CSP, OpenPage, Watch, poll, sign_in
@@ -74,6 +75,7 @@ def add_html_named_run(database: Path) -> None:
         session.add(run)
         session.flush()
         session.add(Attempt(run_id=run.id, epoch=1, pod=HTML_POD, node=NODE, started_at=now))
+        refresh_activity(session, run_ids=[run.id])
     engine.dispose()
 
 

@@ -7,7 +7,16 @@ from typing import TypeVar
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ckpt.service.models import Blob, Bundle, BundleStatus, Layer, LayerBlob, Save, utcnow
+from ckpt.service.models import (
+    Blob,
+    Bundle,
+    BundleStatus,
+    Layer,
+    LayerBlob,
+    RunActivity,
+    Save,
+    utcnow,
+)
 from ckpt.service.sql import Lock, insert, locked
 
 # Rows per statement: Postgres takes at most 65535 bind parameters per query.
@@ -43,7 +52,10 @@ def insert_bundle(session: Session, **values: object) -> bool:
         .returning(Bundle.id)
     )
     # rowcount is -1 on some drivers for INSERT .. ON CONFLICT; a returned row is not.
-    return result.first() is not None
+    inserted = result.first() is not None
+    if inserted:
+        _count_bundle(session, run_id=values["run_id"])
+    return inserted
 
 
 def layers_of(session: Session, *, bundle_id: int) -> list[Layer]:
@@ -265,7 +277,17 @@ def add_bundle(session: Session, **values: object) -> Bundle:
     bundle = Bundle(pinned=False, created_at=utcnow(), **values)
     session.add(bundle)
     session.flush()
+    _count_bundle(session, run_id=bundle.run_id)
     return bundle
+
+
+def _count_bundle(session: Session, *, run_id: object) -> None:
+    """One more bundle in the run's ``run_activity`` (the dashboard's count)."""
+    session.execute(
+        update(RunActivity)
+        .where(RunActivity.run_id == run_id)
+        .values(bundles=RunActivity.bundles + 1)
+    )
 
 
 def run_steps(session: Session, *, run_id: int, statuses: Collection[str]) -> dict[int, Bundle]:

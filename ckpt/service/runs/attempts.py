@@ -47,6 +47,7 @@ def register_attempt(
             node=request.node,
             resumed_from_id=start.id if start else None,
         )
+        repository.refresh_activity(session, run_ids=[run.id])
         context.metrics.attempts.inc()
         if previous is not None:  # an ended predecessor's steps lost are known now
             _count_steps_lost(context.metrics, before=None, after=_steps_lost(session, previous))
@@ -83,6 +84,7 @@ def heartbeat(
             session, attempt_id=attempt.id, silent_since=silent_since
         ):  # it was alive after all (a partition), every rank of it
             attempt.ended_at = attempt.end_reason = None
+        repository.refresh_activity(session, run_ids=[run.id], settle=False)
         # Not fenced, so no successor has registered: nothing is lost yet.
         return attempt_out(attempt, run, steps_lost=None)
 
@@ -108,6 +110,7 @@ def end_attempt(
         if end.step is not None:
             attempt.last_step = end.step
         after = _steps_lost(session, attempt)
+        repository.refresh_activity(session, run_ids=[run.id])
         _count_steps_lost(context.metrics, before=before, after=after)
         return attempt_out(attempt, run, steps_lost=after)
 

@@ -13,7 +13,7 @@ as abandoned.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
 from urllib.parse import quote
@@ -307,12 +307,17 @@ def draw_saves(points: Sequence[SavePoint]) -> str:
     height = len(SERIES) * (PANEL_HEIGHT + 12)
     ordered = sorted(points, key=lambda p: p.step)
     low = ordered[0].step if ordered else 0
-    high = ordered[-1].step if ordered else 1
+    span = max(1, (ordered[-1].step if ordered else 1) - low)
+    inner = WIDTH - LABEL_WIDTH - RIGHT_MARGIN
+    xs = [LABEL_WIDTH + (p.step - low) / span * inner for p in ordered]
+    series = {
+        "stall": [p.stall_seconds for p in ordered],
+        "persist": [p.persist_seconds for p in ordered],
+        "throughput": [p.throughput for p in ordered],
+        "new_bytes": [float(p.new_bytes) for p in ordered],
+    }
     panels = [
-        _panel(
-            name, label, [(p.step, _value(p, name)) for p in ordered], row=row, low=low, high=high
-        )
-        for row, (name, label) in enumerate(SERIES)
+        _panel(name, label, xs, series[name], row=row) for row, (name, label) in enumerate(SERIES)
     ]
     return (
         f'<svg id="saves" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
@@ -321,32 +326,18 @@ def draw_saves(points: Sequence[SavePoint]) -> str:
     )
 
 
-def _value(point: SavePoint, name: str) -> float:
-    return {
-        "stall": point.stall_seconds,
-        "persist": point.persist_seconds,
-        "throughput": point.throughput,
-        "new_bytes": float(point.new_bytes),
-    }[name]
-
-
-def _panel(
-    name: str, label: str, values: Iterable[tuple[int, float]], *, row: int, low: int, high: int
-) -> str:
-    values = list(values)
+def _panel(name: str, label: str, xs: list[float], values: list[float], *, row: int) -> str:
     top = row * (PANEL_HEIGHT + 12) + 10
-    peak = max((v for _, v in values), default=0.0) or 1.0
-    span, inner = max(1, high - low), WIDTH - LABEL_WIDTH - RIGHT_MARGIN
+    peak = max(values, default=0.0) or 1.0
+    bottom, scale = top + PANEL_HEIGHT, PANEL_HEIGHT / peak
     points = " ".join(
-        f"{round(LABEL_WIDTH + (step - low) / span * inner, 1)},"
-        f"{round(top + PANEL_HEIGHT - value / peak * PANEL_HEIGHT, 1)}"
-        for step, value in values
+        f"{x:.1f},{bottom - value * scale:.1f}" for x, value in zip(xs, values, strict=True)
     )
     return (
         f'<g class="panel"><text class="lane-label" x="4" y="{top + 12}">{label}</text>'
         f'<text class="peak" x="4" y="{top + 28}">max {_short(peak if values else 0.0)}</text>'
-        f'<line class="baseline" x1="{LABEL_WIDTH}" y1="{top + PANEL_HEIGHT}" '
-        f'x2="{WIDTH - RIGHT_MARGIN}" y2="{top + PANEL_HEIGHT}"/>'
+        f'<line class="baseline" x1="{LABEL_WIDTH}" y1="{bottom}" '
+        f'x2="{WIDTH - RIGHT_MARGIN}" y2="{bottom}"/>'
         f'<polyline class="series" data-series="{name}" points="{points}"/></g>'
     )
 

@@ -18,7 +18,17 @@ from ckpt.service.auth.service import Principal, require_read
 from ckpt.service.bundles import repository as bundles_repository
 from ckpt.service.bundles.damage import trusted
 from ckpt.service.errors import NotFoundError
-from ckpt.service.models import Attempt, Blob, Bundle, BundleEvent, BundleStatus, Role, Run, Save
+from ckpt.service.models import (
+    Attempt,
+    Blob,
+    Bundle,
+    BundleEvent,
+    BundleStatus,
+    Role,
+    Run,
+    RunActivity,
+    Save,
+)
 from ckpt.service.runs import repository as runs_repository
 from ckpt.service.runs.service import resumable_bundle
 from ckpt.service.ui import queries
@@ -81,7 +91,7 @@ def runs_page(
     listings, has_next = queries.list_runs(
         session, prefix=prefix or None, state=state or None, only=only, page=page
     )
-    found = queries.figures(session, run_ids=[listing.id for listing in listings])
+    found = queries.figures(session, listings=listings)
     return RunsPage(
         runs=[(listing, found[listing.id]) for listing in listings],
         page=page,
@@ -93,9 +103,9 @@ def runs_page(
 
 def run_page(session: Session, principal: Principal, *, name: str) -> RunPage:
     run = _run(session, principal, name)
-    window = run_window(session, run)
     listing = queries.run_listing(session, run=run)
-    figures = queries.figures(session, run_ids=[run.id], with_bytes=False)[run.id]
+    window = run_window(session, run, attempts=listing.attempts, bundles=listing.bundles)
+    figures = queries.figures(session, listings=[listing], with_bytes=False)[run.id]
     hidden = window.picture.hidden
     return RunPage(
         listing=listing,
@@ -229,19 +239,11 @@ def manifest(
 def live_version(session: Session, principal: Principal, *, name: str) -> str:
     """A short digest of everything the run page shows: it changes when any of it does."""
     run = _run(session, principal, name)
-    attempts = session.execute(
-        select(
-            func.count(),
-            func.max(Attempt.id),
-            func.max(Attempt.heartbeat_at),
-            func.max(Attempt.ended_at),
-            func.sum(Attempt.last_step),
-        ).where(Attempt.run_id == run.id)
-    ).one()
+    activity = session.get(RunActivity, run.id)  # kept by every write to attempts
     last_event = session.scalar(
         select(func.max(BundleEvent.id)).where(BundleEvent.run_id == run.id)
     )
-    facts = (run.epoch, run.head_bundle_id, *attempts, last_event)
+    facts = (run.epoch, run.head_bundle_id, activity.writes if activity else 0, last_event)
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 

@@ -1,13 +1,11 @@
 """The dashboard's SQL: aggregates computed by the database, a page of runs at a time.
 
-The runs page asks two things. First, which runs are on the page: each run's state and last
-activity come from its newest attempt (the highest epoch), then the filters, the order and
-the page apply. Then the figures of those runs only (at most a page of them), each in one
-grouped query: attempts, preemptions, steps lost and computed (a window function pairs each
-attempt with its successor, as ``lineage.steps_lost`` does), the resumable bundle (a
-recursive walk from the head, as ``lineage.resumable`` does), the head's step and the save
-figures' bytes.
-"""
+The runs page asks two things. First, which runs are on the page, with their state, last
+activity and attempt figures (attempts, preemptions, steps lost and computed): all kept in
+``run_activity`` by every write to attempts, read off its index in page order. Then the rest
+of those runs' figures only (at most a page of them), each in one grouped query: the
+resumable bundle (a recursive walk from the head, as ``lineage.resumable`` does), the head's
+step and the save figures' bytes."""
 
 from __future__ import annotations
 
@@ -19,24 +17,27 @@ from typing import Any
 
 from sqlalchemy import (
     BindParameter,
-    ColumnElement,
     Select,
     and_,
     bindparam,
-    case,
     func,
-    literal,
     select,
 )
 from sqlalchemy.orm import Session, aliased
 
-from ckpt.service.models import Attempt, Bundle, BundleStatus, EndReason, Run, Save
+from ckpt.service.models import (
+    TRAINING,
+    Bundle,
+    BundleStatus,
+    Run,
+    RunActivity,
+    Save,
+)
 
 # A SELECT of any columns.
 Statement = Select[*tuple[Any, ...]]
 PAGE_SIZE = 50
-STATES = ("training", "preempted", "lost", "finished", "failed")
-NEW = "new"  # a run no attempt has registered for yet
+STATES = (TRAINING, "preempted", "lost", "finished", "failed")  # the filter's choices
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class RunListing:
     name: str
     state: str
     active_at: datetime
+    attempts: int
+    preemptions: int
+    steps_lost: int
+    steps_computed: int  # the steps all attempts trained, repeats included
+    bundles: int
 
 
 @dataclass(frozen=True)
@@ -73,22 +79,6 @@ class RunFigures:
     @property
     def dedup_saving(self) -> int:
         return max(0, self.payload_bytes - self.bytes_stored)
-
-
-def _positive(value: ColumnElement[Any]) -> ColumnElement[Any]:
-    return case((value > 0, value), else_=0)
-
-
-def _newest(column: ColumnElement[Any]) -> ColumnElement[Any]:
-    """``column`` of the run's newest attempt (the highest epoch): one probe of the index on
-    ``attempt (run_id, epoch)`` per run."""
-    return (
-        select(column)
-        .where(Attempt.run_id == Run.id)
-        .order_by(Attempt.epoch.desc())
-        .limit(1)
-        .scalar_subquery()
-    )
 
 
 def list_runs(
@@ -123,32 +113,31 @@ def _like_prefix(prefix: str) -> str:
 
 @functools.cache
 def _runs_query(*, prefix: bool, only: bool, state: bool) -> Statement:
-    """The runs page's statement for these filters, built once (its values are bound).
-
-    The state and activity are subqueries: the database computes the activity of every run
-    to sort them, and the state only of the page's runs (unless a state filter needs them
-    all).
-    """
-    running = case((Attempt.ended_at.is_(None), literal("training")), else_=Attempt.end_reason)
-    activity = func.coalesce(Attempt.ended_at, Attempt.heartbeat_at, Attempt.started_at)
-    runs = select(
-        Run.id,
-        Run.name,
-        func.coalesce(_newest(running), literal(NEW)).label("state"),
-        func.coalesce(_newest(activity), Run.created_at).label("active_at"),
-    )
-    if prefix:
-        runs = runs.where(Run.name.like(bindparam("pattern"), escape="/"))
-    if only:
-        runs = runs.where(Run.name == bindparam("only"))
-    listed = runs.subquery("listed")
+    """The runs page's statement for these filters, built once (its values are bound): a
+    range of the index on ``run_activity (active_at, run_id)`` (or ``(state, active_at,
+    run_id)``), read backwards, each row joined to its run."""
     query = (
-        select(listed)
-        .order_by(listed.c.active_at.desc(), listed.c.id.desc())
+        select(
+            Run.id,
+            Run.name,
+            RunActivity.state,
+            RunActivity.active_at,
+            RunActivity.attempts,
+            RunActivity.preemptions,
+            RunActivity.steps_lost,
+            RunActivity.steps_computed,
+            RunActivity.bundles,
+        )
+        .join(RunActivity, RunActivity.run_id == Run.id)
+        .order_by(RunActivity.active_at.desc(), RunActivity.run_id.desc())
         .offset(bindparam("offset"))
         .limit(bindparam("limit"))
     )
-    return query.where(listed.c.state == bindparam("state")) if state else query
+    if prefix:
+        query = query.where(Run.name.like(bindparam("pattern"), escape="/"))
+    if only:
+        query = query.where(Run.name == bindparam("only"))
+    return query.where(RunActivity.state == bindparam("state")) if state else query
 
 
 def run_listing(session: Session, *, run: Run) -> RunListing:
@@ -158,17 +147,26 @@ def run_listing(session: Session, *, run: Run) -> RunListing:
 
 
 def figures(
-    session: Session, *, run_ids: Collection[int], with_bytes: bool = True
+    session: Session, *, listings: Collection[RunListing], with_bytes: bool = True
 ) -> dict[int, RunFigures]:
-    """The figures of these runs, by run id (a run without any still gets one).
-    ``with_bytes=False`` leaves the bytes out (0), for a page that does not show them."""
-    if not run_ids:
+    """The figures of these runs, by run id: their attempts' (kept in ``run_activity``, read
+    with the listing) and the rest, each part one grouped query over them. ``with_bytes=False``
+    leaves the bytes out (0), for a page that does not show them."""
+    found: dict[int, dict[str, Any]] = {
+        listing.id: {
+            "attempts": listing.attempts,
+            "preemptions": listing.preemptions,
+            "steps_lost": listing.steps_lost,
+            "steps_computed": listing.steps_computed,
+        }
+        for listing in listings
+    }
+    if not found:
         return {}
-    found: dict[int, dict[str, Any]] = {run_id: {} for run_id in run_ids}
-    parts = [_attempt_figures, _resumable, _heads] + ([_bytes] if with_bytes else [])
+    parts = [_resumable, _heads] + ([_bytes] if with_bytes else [])
     dialect = session.get_bind().dialect.name
     for part in parts:
-        rows = session.execute(part(dialect), {"run_ids": list(run_ids)})
+        rows = session.execute(part(dialect), {"run_ids": list(found)})
         for run_id, *values in rows:
             found[run_id].update(_named(part, values))
     return {run_id: RunFigures(**values) for run_id, values in found.items()}
@@ -178,7 +176,6 @@ def figures(
 # and the names of the values its rows hold after the run id.
 RUN_IDS: BindParameter[Any] = bindparam("run_ids", expanding=True)
 NAMES = {
-    "_attempt_figures": ("attempts", "preemptions", "steps_lost", "steps_computed"),
     "_resumable": ("resumable_step", "resumable_at"),
     "_heads": ("head_step",),
     "_bytes": ("bytes_stored", "payload_bytes"),
@@ -186,49 +183,13 @@ NAMES = {
 
 
 # Sums: None over no rows, and a Decimal on PostgreSQL (a sum of BIGINT is NUMERIC).
-SUMS = {"preemptions", "steps_lost", "steps_computed", "bytes_stored", "payload_bytes"}
+SUMS = {"bytes_stored", "payload_bytes"}
 
 
 def _named(part: Callable[[str], Statement], values: list[Any]) -> dict[str, Any]:
     """A part's row as figures, by name."""
     named = dict(zip(NAMES[part.__name__], values, strict=True))
     return {name: int(value or 0) if name in SUMS else value for name, value in named.items()}
-
-
-@functools.cache
-def _attempt_figures(dialect: str) -> Statement:
-    """Attempts, preemptions, steps lost and computed: each attempt next to its successor."""
-    resumed = aliased(Bundle, name="resumed")
-    per_attempt = (
-        select(
-            Attempt.run_id,
-            Attempt.end_reason,
-            Attempt.last_step,
-            func.coalesce(resumed.step, 0).label("start"),
-            func.lead(func.coalesce(resumed.step, 0))
-            .over(partition_by=Attempt.run_id, order_by=Attempt.epoch)
-            .label("next_start"),
-            func.lead(Attempt.epoch)
-            .over(partition_by=Attempt.run_id, order_by=Attempt.epoch)
-            .label("next_epoch"),
-        )
-        .outerjoin(resumed, resumed.id == Attempt.resumed_from_id)
-        .where(Attempt.run_id.in_(RUN_IDS))
-        .subquery("per_attempt")
-    )
-    a = per_attempt.c
-    ended_short = and_(
-        a.end_reason.is_not(None),
-        a.end_reason != EndReason.FINISHED,
-        a.last_step.is_not(None),
-        a.next_epoch.is_not(None),
-    )
-    lost = case((ended_short, _positive(a.last_step - a.next_start)), else_=0)
-    computed = _positive(func.coalesce(a.last_step, a.start) - a.start)
-    preempted = case((a.end_reason == EndReason.PREEMPTED, 1), else_=0)
-    return select(
-        a.run_id, func.count(), func.sum(preempted), func.sum(lost), func.sum(computed)
-    ).group_by(a.run_id)
 
 
 @functools.cache
@@ -279,7 +240,7 @@ def _heads(dialect: str) -> Statement:
 @functools.cache
 def _bytes(dialect: str) -> Statement:
     """What the runs' saves uploaded, and what they would have without deduplication, read
-    from the index on ``save (run_id, payload_bytes, new_bytes)`` alone: a range of it per
+    from the index ``ix_save_run_figures`` (run_id first) alone: a range of it per
     run, no join through ``bundle`` (each save names its bundle's run)."""
     return (
         select(Save.run_id, func.sum(Save.new_bytes), func.sum(Save.payload_bytes))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from sqlalchemy import ColumnElement, and_, false, func, or_, select, true
+from sqlalchemy import BigInteger, ColumnElement, Float, cast, func, or_, select
 from sqlalchemy.orm import Session
 
 from ckpt.service import lineage
@@ -21,30 +21,18 @@ from ckpt.service.models import Attempt, Bundle, Run, Save
 from ckpt.service.runs.service import attempt_node
 from ckpt.service.ui.drawing import Hidden, Lane, Mark, Picture, SavePoint
 
-MAX_LANES = 300
-MAX_BUNDLES = 3000
-WINDOW_LANES = 60
-WINDOW_BUNDLES = 600
+MAX_LANES = 60  # a run up to this size is drawn whole
+MAX_BUNDLES = 600
+WINDOW_LANES = 30  # a screen of lanes
+WINDOW_BUNDLES = 300  # as many marks as the axis has room for
 CHART_POINTS = 300  # bundles in the save-figures chart
 
 
 @dataclass(frozen=True)
-class BundleRow:
-    id: int
-    step: int
-    status: str
-    attempt_id: int | None
-    parent_id: int | None
-    pinned: bool
+class BundleRow(lineage.Node):
+    """A bundle as the picture needs it: a node of the lineage, and whether it is pinned."""
 
-    def node(self) -> lineage.Node:
-        return lineage.Node(
-            id=self.id,
-            step=self.step,
-            status=self.status,
-            parent_id=self.parent_id,
-            attempt_id=self.attempt_id,
-        )
+    pinned: bool
 
 
 @dataclass(frozen=True)
@@ -57,65 +45,63 @@ class RunWindow:
     saves: list[SavePoint]
 
 
-BUNDLE_COLUMNS = (
+BUNDLE_COLUMNS = (  # in BundleRow's order
     Bundle.id,
     Bundle.step,
     Bundle.status,
-    Bundle.attempt_id,
     Bundle.parent_id,
+    Bundle.attempt_id,
     Bundle.pinned,
 )
 
 
-def run_window(session: Session, run: Run) -> RunWindow:
-    """The run's attempts and bundles to draw, with what is left out summed up."""
-    attempts_count = select(func.count()).where(Attempt.run_id == run.id).scalar_subquery()
-    bundles_count = select(func.count()).where(Bundle.run_id == run.id).scalar_subquery()
-    total_attempts, total_bundles = session.execute(select(attempts_count, bundles_count)).one()
-    whole = total_attempts <= MAX_LANES and total_bundles <= MAX_BUNDLES
-    attempts = _newest_attempts(session, run.id, limit=MAX_LANES if whole else WINDOW_LANES)
-    if not whole:
-        attempts = _fitting(session, attempts, max_bundles=WINDOW_BUNDLES)
-    where = _drawn(run, attempts, whole=whole)
+def run_window(session: Session, run: Run, *, attempts: int, bundles: int) -> RunWindow:
+    """The run's attempts and bundles to draw, with what is left out summed up (``attempts``
+    and ``bundles``: how many the run has)."""
+    whole = attempts <= MAX_LANES and bundles <= MAX_BUNDLES
+    newest = _newest_attempts(session, run.id, limit=MAX_LANES if whole else WINDOW_LANES)
+    drawn = newest if whole else _fitting(newest, max_bundles=WINDOW_BUNDLES)
+    where = _drawn(run, [a for a, _ in drawn], whole=whole)
     rows = {
         row.id: BundleRow(*row)
-        for row in session.execute(select(*BUNDLE_COLUMNS).where(where).order_by(Bundle.step))
+        for row in session.connection()
+        .execute(select(*BUNDLE_COLUMNS).where(where).order_by(Bundle.step))
+        .all()
     }
     hidden = None
     if not whole:
-        lanes = {a.id for a in attempts}
-        drawn = sum(1 for row in rows.values() if row.attempt_id in lanes)
-        hidden = Hidden(lanes=total_attempts - len(attempts), bundles=total_bundles - drawn)
-    window = _assemble(run, attempts, rows, hidden)
+        shown = sum(count for _, count in drawn)
+        hidden = Hidden(lanes=attempts - len(drawn), bundles=max(0, bundles - shown))
+    window = _assemble(run, [a for a, _ in drawn], rows, hidden)
     # The newest bundles only: more points than pixels tell nothing.
-    steps = [row.step for row in rows.values()][-CHART_POINTS:]
-    charted = and_(where, Bundle.step >= steps[0]) if steps else false()
-    return replace(window, saves=save_points(session, where=charted))
+    charted = [row for row in rows.values()][-CHART_POINTS:]
+    return replace(window, saves=save_points(session, run, charted))
 
 
-def _newest_attempts(session: Session, run_id: int, *, limit: int) -> list[Attempt]:
-    newest = session.scalars(
-        select(Attempt).where(Attempt.run_id == run_id).order_by(Attempt.epoch.desc()).limit(limit)
+def _newest_attempts(session: Session, run_id: int, *, limit: int) -> list[tuple[Attempt, int]]:
+    """The run's newest ``limit`` attempts, oldest first, each with how many bundles it made
+    (an index probe of ``bundle (attempt_id, step)`` each)."""
+    bundles = select(func.count()).where(Bundle.attempt_id == Attempt.id).scalar_subquery()
+    newest = session.execute(
+        select(Attempt, bundles)
+        .where(Attempt.run_id == run_id)
+        .order_by(Attempt.epoch.desc())
+        .limit(limit)
     )
-    return list(reversed(list(newest)))
+    return [(attempt, count) for attempt, count in reversed(newest.all())]
 
 
-def _fitting(session: Session, attempts: Sequence[Attempt], *, max_bundles: int) -> list[Attempt]:
+def _fitting(
+    attempts: Sequence[tuple[Attempt, int]], *, max_bundles: int
+) -> list[tuple[Attempt, int]]:
     """The newest of ``attempts`` whose bundles number at most ``max_bundles`` (one at least)."""
-    counts = dict(
-        session.execute(
-            select(Bundle.attempt_id, func.count())
-            .where(Bundle.attempt_id.in_([a.id for a in attempts]))
-            .group_by(Bundle.attempt_id)
-        ).all()
-    )
-    kept: list[Attempt] = []
+    kept: list[tuple[Attempt, int]] = []
     total = 0
-    for attempt in reversed(attempts):
-        total += counts.get(attempt.id, 0)
+    for attempt, count in reversed(attempts):
+        total += count
         if kept and total > max_bundles:
             break
-        kept.append(attempt)
+        kept.append((attempt, count))
     return list(reversed(kept))
 
 
@@ -135,8 +121,7 @@ def _assemble(
     rows: dict[int, BundleRow],
     hidden: Hidden | None,
 ) -> RunWindow:
-    nodes = {bundle_id: row.node() for bundle_id, row in rows.items()}
-    live = set(lineage.ancestry(run.head_bundle_id, nodes))
+    live = set(lineage.ancestry(run.head_bundle_id, rows))
     step_of = {bundle_id: row.step for bundle_id, row in rows.items()}.get
     lost = lineage.steps_lost_by_attempt(attempt_node(a, step_of) for a in attempts)
     lanes = [
@@ -168,39 +153,37 @@ def _assemble(
     return RunWindow(attempts=attempts, steps_lost=lost, picture=picture, saves=[])
 
 
-def save_points(session: Session, *, where: ColumnElement[bool]) -> list[SavePoint]:
-    """The save figures of the bundles ``where`` selects, each over its ranks: the slowest
-    rank's stall and persist, the payload over the slowest persist, and the new bytes of all
-    ranks (read from the index ``ix_save_figures`` alone).
+def save_points(session: Session, run: Run, bundles: Sequence[BundleRow]) -> list[SavePoint]:
+    """The save figures of ``bundles`` (the run's), each over its ranks: the slowest rank's
+    stall and persist, the payload over the slowest persist, and the new bytes of all ranks.
 
-    On PostgreSQL each bundle's saves are a LATERAL subquery (one index probe per bundle),
-    where a join lets the planner hash the whole save table.
+    Read from the index ``ix_save_run_figures`` alone: the range of the run's bundle ids from
+    the oldest of ``bundles`` (the newest bundles of a run have its highest ids), the few
+    others in it left out here.
     """
-    figures = (
-        func.max(Save.stall_seconds).label("stall"),
-        func.max(Save.persist_seconds).label("persist"),
-        func.sum(Save.payload_bytes).label("payload"),
-        func.sum(Save.new_bytes).label("new"),
+    step_of = {row.id: row.step for row in bundles}
+    if not step_of:
+        return []
+    found = session.connection().execute(
+        select(
+            Save.bundle_id,
+            func.max(Save.stall_seconds),
+            func.max(Save.persist_seconds),
+            cast(func.sum(Save.payload_bytes), Float),  # not PostgreSQL's NUMERIC
+            cast(func.sum(Save.new_bytes), BigInteger),
+        )
+        .where(Save.run_id == run.id, Save.bundle_id >= min(step_of))
+        .group_by(Save.bundle_id)
     )
-    if session.get_bind().dialect.name == "postgresql":
-        per_bundle = select(*figures).where(Save.bundle_id == Bundle.id).lateral("per_bundle")
-        columns = [per_bundle.c[name] for name in ("stall", "persist", "payload", "new")]
-        query = select(Bundle.step, *columns).join(per_bundle, true()).where(where)
-    else:
-        query = (
-            select(Bundle.step, *figures)
-            .join(Save, Save.bundle_id == Bundle.id)
-            .where(where)
-            .group_by(Bundle.id, Bundle.step)
-        )
-    return [
+    points = [
         SavePoint(
-            step=step,
-            stall_seconds=float(stall),
-            persist_seconds=float(persist),
-            throughput=float(payload) / persist if persist else 0.0,
-            new_bytes=int(new),
+            step=step_of[bundle_id],
+            stall_seconds=stall,
+            persist_seconds=persist,
+            throughput=payload / persist if persist else 0.0,
+            new_bytes=new,
         )
-        for step, stall, persist, payload, new in session.execute(query.order_by(Bundle.step))
-        if stall is not None  # no rank reported
+        for bundle_id, stall, persist, payload, new in found.all()
+        if bundle_id in step_of
     ]
+    return sorted(points, key=lambda point: point.step)
