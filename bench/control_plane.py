@@ -10,6 +10,9 @@ keep-alive connection and printed as p50 / p99 next to ``GET /healthz`` on the s
 - ``GET /v1/runs/{run}/resumable``: the latest resumable bundle with its manifest
 - ``POST /v1/runs/{run}/attempts``: register an attempt + the resume decision
 - one whole save of one rank: open + 6 x record + commit (blob verification included)
+- the commit alone of a bundle of ``--commit-blobs`` new blobs (1,000 by default) of 4 KiB,
+  then of 256 KiB: a commit reads the blobs' metadata, never their bytes, so its time does
+  not grow with their size (``ckpt_blob_read_bytes_total`` is printed: 0)
 
 SQLite (the embedded default) always; PostgreSQL with ``--postgres`` (a server URL such as
 ``postgresql://postgres@127.0.0.1:5432/postgres``: a database is created and dropped).
@@ -18,21 +21,24 @@ SQLite (the embedded default) always; PostgreSQL with ``--postgres`` (a server U
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ckpt.core.contract import RESTORE_ORDER, LayerRecord, TensorEntry
 from ckpt.core.storage import DirectoryStore
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
-from tests.service.helpers import register, save
+from tests.service.helpers import commit, open_bundle, put_blob, record, register, save
 
 
 def timed(action: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -53,6 +59,51 @@ def populate(client: httpx.Client, store: DirectoryStore, run: str, bundles: int
         save(client, store, run, attempt, step=step)
     head = client.get(f"/v1/runs/{run}/resumable").json()
     client.post(f"/v1/runs/{run}/rollback", json={"bundle_id": head["bundle_id"] - 10})
+
+
+def timed_commits(
+    client: httpx.Client,
+    store: DirectoryStore,
+    run: str,
+    attempt: dict[str, Any],
+    steps: Iterator[int],
+    *,
+    blobs: int,
+    size: int,
+    repeat: int,
+) -> tuple[float, float]:
+    """p50 and p99 of the commit of ``repeat`` bundles, each of ``blobs`` new blobs of
+    ``size`` bytes spread over its six layers (uploaded and recorded untimed)."""
+    samples = []
+    for _ in range(repeat):
+        opened = open_bundle(client, run, attempt, step=next(steps))
+        opened.raise_for_status()
+        bundle_id = opened.json()["id"]
+        for index, layer in enumerate(RESTORE_ORDER):
+            count = blobs // len(RESTORE_ORDER) + (index < blobs % len(RESTORE_ORDER))
+            answer = record(
+                client, bundle_id, 0, layer, attempt["epoch"], _layer(store, count, size)
+            )
+            answer.raise_for_status()
+        started = time.perf_counter()
+        commit(client, bundle_id, attempt["epoch"]).raise_for_status()
+        samples.append(time.perf_counter() - started)
+    samples.sort()
+    return statistics.median(samples), samples[-1]
+
+
+def _layer(store: DirectoryStore, count: int, size: int) -> LayerRecord:
+    """A layer of one tensor whose payload is a header blob and ``count - 1`` data blobs
+    of ``size`` random bytes, uploaded."""
+    data = [os.urandom(size) for _ in range(count - 1)]
+    total = size * len(data)
+    header = b'{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total, total)
+    return LayerRecord(
+        payload_bytes=len(header) + total,
+        header_bytes=len(header),
+        blobs=tuple(put_blob(store, piece) for piece in [header, *data]),
+        tensors={"t": TensorEntry(dtype="U8", shape=(total,), data_offsets=(0, total))},
+    )
 
 
 def measure(label: str, root: Path, database_url: str | None, args: argparse.Namespace) -> None:
@@ -79,7 +130,18 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
             lambda: save(client, store, run, attempt, step=next(steps)),
             max(20, args.repeat // 10),
         )
+        for size in (4 << 10, 256 << 10):
+            name = f"commit: {args.commit_blobs} blobs of {size >> 10} KiB"
+            rows[name] = timed_commits(
+                client, store, run, attempt, steps, blobs=args.commit_blobs, size=size, repeat=10
+            )
+        read = sum(
+            float(line.split()[-1])
+            for line in client.get("/metrics").text.splitlines()
+            if line.startswith("ckpt_blob_read_bytes_total")
+        )
     print(f"\n{label}: {args.bundles} bundles written in {fill:.1f} s")
+    print(f"  blob bytes the control plane read back: {read:.0f}")
     print(f"  {'call':<28} {'p50 ms':>8} {'p99 ms':>8} {'p50 / healthz':>14}")
     print(f"  {'GET /healthz (floor)':<28} {floor[0] * 1e3:8.2f} {floor[1] * 1e3:8.2f} {1.0:14.1f}")
     for name, (p50, p99) in rows.items():
@@ -92,6 +154,7 @@ def main() -> None:
     )
     parser.add_argument("--bundles", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--commit-blobs", type=int, default=1000)
     parser.add_argument("--postgres", help="a PostgreSQL server URL to benchmark too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

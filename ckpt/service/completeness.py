@@ -89,7 +89,7 @@ def missing(
                     size=size,
                     problem=problem,
                     found_size=found.size if found else None,
-                    used_by=parts,
+                    used_by=[Part(rank=rank, layer=layer) for rank, layer in parts],
                 )
             )
     return Missing(ranks=ranks, layers=layers, blobs=blobs)
@@ -119,18 +119,20 @@ def missing_layers(*, world_size: int, recorded: Collection[tuple[int, Layer]]) 
     ]
 
 
-def _usage(recorded: Mapping[tuple[int, Layer], LayerRecord]) -> dict[str, tuple[int, list[Part]]]:
-    """Each referenced blob: the size its first record gives, and the parts that use it, in
-    rank and restore order."""
-    usage: dict[str, tuple[int, list[Part]]] = {}
+def _usage(
+    recorded: Mapping[tuple[int, Layer], LayerRecord],
+) -> dict[str, tuple[int, list[tuple[int, Layer]]]]:
+    """Each referenced blob: the size its first record gives, and the (rank, layer) parts
+    that use it, in rank and restore order."""
+    usage: dict[str, tuple[int, list[tuple[int, Layer]]]] = {}
     in_order = sorted(
         recorded.items(), key=lambda item: (item[0][0], RESTORE_ORDER.index(item[0][1]))
     )
-    for (rank, layer), record in in_order:
+    for part, record in in_order:
         for blob in record.blobs:
             _, parts = usage.setdefault(blob.sha256, (blob.size, []))
-            if Part(rank=rank, layer=layer) not in parts:
-                parts.append(Part(rank=rank, layer=layer))
+            if part not in parts:
+                parts.append(part)
     return usage
 
 

@@ -79,6 +79,13 @@ class Metrics:
         self.scrub_bytes = Counter(
             "ckpt_scrub_bytes", "bytes the scrubber read back", registry=self.registry
         )
+        self.blob_read_bytes = Counter(
+            "ckpt_blob_read_bytes",
+            "bytes of blobs the control plane read back, by reader (scrubber, quarantine, and "
+            "commit: only a blob found damaged before, to see it was written again)",
+            ["by"],
+            registry=self.registry,
+        )
         self.scrub_damaged = Counter(
             "ckpt_scrub_damaged",
             "blobs the scrubber found absent or damaged (their bundles were quarantined)",

@@ -291,7 +291,12 @@ class Blob(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime]
     claimed_at: Mapped[datetime]  # last recorded or reported present: GC's grace starts here
-    verified_at: Mapped[datetime | None]  # the service read it back and its SHA-256 matched
+    # The service found it whole: present with its size, at a commit (and, where the store
+    # keeps a checksum, with that), or read back intact. What "seen whole since" means.
+    verified_at: Mapped[datetime | None]
+    # Its bytes were last seen to hash to its name: read back (the scrubber, a lifted
+    # quarantine) or by the store's checksum of the upload. None: size-checked only so far.
+    hashed_at: Mapped[datetime | None]
     # Found missing or damaged (by the scrubber, a restore, a commit) and not written intact
     # since: never counted as held, and every complete bundle that uses it is quarantined.
     damaged_at: Mapped[datetime | None]

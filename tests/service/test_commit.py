@@ -93,10 +93,6 @@ class Builder:
         return Broken(world_size=1, expected=expected, fix=fix)
 
 
-def _flip(data: bytes) -> bytes:
-    return bytes([data[0] ^ 0xFF]) + data[1:]
-
-
 def missing_layer(b: Builder) -> Broken:
     b.record_rank(0, skip=Layer.COUNTERS)
     return Broken(
@@ -127,17 +123,14 @@ def blob_wrong_size(b: Builder) -> Broken:
     return b.bad_blob(lambda data: data + b"x", "wrong_size")
 
 
-def blob_wrong_hash(b: Builder) -> Broken:
-    return b.bad_blob(_flip, "wrong_hash")
-
-
 BREAKS: dict[str, tuple[int, Callable[[Builder], Broken]]] = {
     "missing_layer": (1, missing_layer),
     "missing_rank": (2, missing_rank),
     "blob_absent": (1, blob_absent),
     "blob_wrong_size": (1, blob_wrong_size),
-    "blob_wrong_hash": (1, blob_wrong_hash),
 }
+# A blob of its size with other bytes commits: a commit reads no bytes. The scrubber and
+# every restore hash them (tests/service/test_commit_reads_no_bytes.py).
 
 
 @pytest.mark.parametrize("older", [False, True], ids=["no_older", "older_complete"])

@@ -16,6 +16,10 @@ class StoredObject(NamedTuple):
     key: str
     size: int
     modified: float  # seconds since the epoch, when the object was last written
+    # The SHA-256 (hex) of the whole object as the store computed it when it received the
+    # bytes, where it keeps one (S3 and MinIO, for an object uploaded in one PUT with
+    # ``x-amz-checksum-sha256``); None otherwise. ``stat`` fills it in, listings do not.
+    sha256: str | None = None
 
 
 @runtime_checkable

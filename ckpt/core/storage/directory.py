@@ -26,13 +26,18 @@ class DirectoryStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).absolute()
         self.url = self.root.as_uri()
+        self._root = str(self.root)
 
     def _path(self, key: str) -> Path:
+        return self.root.joinpath(*self._parts(key))
+
+    @staticmethod
+    def _parts(key: str) -> list[str]:
         parts = key.split("/")
         # Parts starting with "." are refused: they are reserved for temporary files.
         if not key or any(part == "" or part.startswith(".") for part in parts):
             raise ValueError(f"invalid object key {key!r}")
-        return self.root.joinpath(*parts)
+        return parts
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         path = self._path(key)
@@ -90,8 +95,11 @@ class DirectoryStore:
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
 
     def stat(self, key: str) -> StoredObject | None:
+        # A string path: a commit stats every blob of a bundle, and pathlib costs more than
+        # the stat itself.
+        path = os.path.join(self._root, *self._parts(key))
         try:
-            found = self._path(key).stat()
+            found = os.stat(path)
         except FileNotFoundError:
             return None
         except OSError as err:

@@ -17,7 +17,7 @@ import base64
 import hashlib
 import io
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -156,15 +156,23 @@ class S3ObjectStore:
         return None if found is None else found.size
 
     def stat(self, key: str) -> StoredObject | None:
+        """The object's size, time and, where S3 kept one, its whole-object SHA-256."""
         try:
-            answer = self._client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+            answer = self._client.head_object(
+                Bucket=self.bucket, Key=self.prefix + key, ChecksumMode="ENABLED"
+            )
         except ClientError as err:
             if _code(err) in _NOT_FOUND:
                 return None
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
         except BotoCoreError as err:
             raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
-        return StoredObject(key, int(answer["ContentLength"]), answer["LastModified"].timestamp())
+        return StoredObject(
+            key,
+            int(answer["ContentLength"]),
+            answer["LastModified"].timestamp(),
+            whole_object_sha256(answer),
+        )
 
     def list_keys(self, prefix: str) -> Iterator[str]:
         return (item.key for item in self.list_objects(prefix))
@@ -194,6 +202,22 @@ class S3ObjectStore:
         if _code(err) in _NOT_FOUND:
             return BadObjectError(f"{self.url}: no object {key!r}")
         return StoreError(f"{self.url}: cannot {action} {key!r}: {err}")
+
+
+def whole_object_sha256(head: Mapping[str, Any]) -> str | None:
+    """The SHA-256 (hex) of the whole object from a HeadObject answer, or None when S3 did
+    not keep one: a multipart upload's checksum is a checksum of its parts' checksums
+    ("COMPOSITE", "...-N"), not of the object."""
+    found = head.get("ChecksumSHA256")
+    if not isinstance(found, str) or "-" in found:
+        return None
+    if head.get("ChecksumType", "FULL_OBJECT") != "FULL_OBJECT":
+        return None
+    try:
+        raw = base64.b64decode(found, validate=True)
+    except ValueError:
+        return None
+    return raw.hex() if len(raw) == 32 else None
 
 
 def _code(err: ClientError) -> str:

@@ -3,6 +3,8 @@ every write to attempts and indexed, so that the runs page reads a page of runs 
 index instead of finding the newest attempt of every run to sort them, and the figures of
 a run of many attempts cost one row. The index on each run's save figures takes the bundle
 id after the run, so that the run page's chart of its newest bundles is a range of it.
+Blobs get ``hashed_at``: a commit confirms a blob's size (and the store's checksum where it
+keeps one) without reading its bytes; the scrubber's read-back hashes them later.
 
 Revision ID: 2026_11_30_0008
 Revises: 2026_11_30_0007
@@ -101,9 +103,15 @@ def upgrade() -> None:
         ["run_id", "bundle_id", "stall_seconds", "persist_seconds", "payload_bytes", "new_bytes"],
     )
     op.drop_index("ix_save_run_id_payload_bytes_new_bytes", table_name="save")
+    # A commit checks sizes now, not bytes: what was verified so far was read back whole.
+    with op.batch_alter_table("blob") as batch:
+        batch.add_column(sa.Column("hashed_at", TIMESTAMP, nullable=True))
+    op.execute("UPDATE blob SET hashed_at = verified_at")
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("blob") as batch:
+        batch.drop_column("hashed_at")
     op.create_index(
         "ix_save_run_id_payload_bytes_new_bytes", "save", ["run_id", "payload_bytes", "new_bytes"]
     )

@@ -1,21 +1,40 @@
 """What the store holds of blobs, read outside any transaction and many at once: sizes, the
-SHA-256 of those not verified before, and for run isolation when each was written. A store
-that cannot be read is a ``StoreUnavailableError``."""
+store's own checksum where it keeps one, and for run isolation when each was written;
+metadata only, never a blob's bytes (a commit costs a HEAD per blob, whatever the blobs'
+size). Reading a blob back whole (``read_back``) is the scrubber's and a quarantine's. A
+store that cannot be read is a ``StoreUnavailableError``."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
+from typing import TypeVar
 
 from ckpt.core.errors import BadObjectError, StoreError
-from ckpt.core.storage import ObjectStore, StoredObject, keys
+from ckpt.core.storage import DirectoryStore, ObjectStore, StoredObject, keys
 from ckpt.core.threads import parallel
 from ckpt.service.bundles.isolation import written_since
 from ckpt.service.completeness import StoredBlob
 from ckpt.service.errors import StoreUnavailableError
+from ckpt.service.metrics import Metrics
 
-_STORE_THREADS = 4
+T = TypeVar("T")
+_STORE_THREADS = 16  # S3 answers a HEAD in tens of milliseconds: a commit waits on many
+
+
+def _each(store: ObjectStore, action: Callable[[str], T], shas: Iterable[str]) -> list[T]:
+    """``action`` of every blob, in order: on up to ``_STORE_THREADS`` threads, one task per
+    group of blobs, for a store that answers over the network; in this thread for a
+    directory (its stat is a local call: threads would only contend for the GIL, 1,000
+    stats took 28 ms on 16 threads and 17 ms on one)."""
+    order = list(shas)
+    if isinstance(store, DirectoryStore):
+        return [action(sha) for sha in order]
+    size = max(1, -(-len(order) // _STORE_THREADS))
+    groups = [order[start : start + size] for start in range(0, len(order), size)]
+    done = parallel(lambda group: [action(sha) for sha in group], groups, threads=_STORE_THREADS)
+    return [found for group in done for found in group]
 
 
 def stored_sizes(store: ObjectStore, shas: Iterable[str]) -> dict[str, int | None]:
@@ -24,7 +43,7 @@ def stored_sizes(store: ObjectStore, shas: Iterable[str]) -> dict[str, int | Non
     return dict(
         zip(
             order,
-            parallel(lambda sha: _size(store, sha), order, threads=_STORE_THREADS),
+            _each(store, lambda sha: _size(store, sha), order),
             strict=True,
         )
     )
@@ -34,32 +53,54 @@ def stored_blobs(
     store: ObjectStore,
     sizes: Mapping[str, int],
     *,
-    verified: frozenset[str],
+    metrics: Metrics,
+    damaged: frozenset[str] = frozenset(),
     unproven: frozenset[str] = frozenset(),
     opened_at: datetime | None = None,
 ) -> dict[str, StoredBlob]:
-    """What the store holds of each blob: size always, SHA-256 unless ``verified`` before.
-    Of an ``unproven`` blob (run isolation), nothing unless it was written since
-    ``opened_at``: else it is ``written=False``, its size and presence unsaid."""
+    """What the store's metadata says of each blob: its size, and ``sha256_ok=True`` where
+    the store's own checksum of the bytes it received is the blob's SHA-256 (None: not
+    known; a checksum that differs proves nothing, it may be a multipart upload's).
+
+    A blob the catalog found ``damaged`` is read back instead (its size alone cannot tell a
+    rewritten blob from a rotten one; the agent rewrites damaged blobs, so this is rare). Of
+    an ``unproven`` blob (run isolation), nothing unless it was written since ``opened_at``:
+    else it is ``written=False``, its size and presence unsaid.
+    """
 
     def check(sha: str) -> StoredBlob:
+        found = _stat(store, sha)
         if sha in unproven:
             assert opened_at is not None, "an unproven blob is checked against an opening"
-            found = _stat(store, sha)
             if found is None or not written_since(found.modified, opened_at):
                 return StoredBlob(size=None, written=False)
-            size: int | None = found.size
-        else:
-            size = _size(store, sha)
-        if size != sizes[sha] or sha in verified:
+        if found is None:
+            return StoredBlob(size=None)
+        if found.size == sizes[sha] and sha in damaged:
+            return read_back(store, sha, metrics=metrics, by="commit")
+        confirmed = found.size == sizes[sha] and found.sha256 == sha
+        return StoredBlob(size=found.size, sha256_ok=True if confirmed else None)
+
+    return dict(zip(sizes, _each(store, check, sizes), strict=True))
+
+
+def read_back_all(
+    store: ObjectStore, sizes: Mapping[str, int], *, metrics: Metrics, by: str
+) -> dict[str, StoredBlob]:
+    """Each blob read back whole (those of the recorded size), many at once."""
+
+    def check(sha: str) -> StoredBlob:
+        size = _size(store, sha)
+        if size != sizes[sha]:
             return StoredBlob(size=size)
-        return read_back(store, sha)
+        return read_back(store, sha, metrics=metrics, by=by)
 
-    return dict(zip(sizes, parallel(check, sizes, threads=_STORE_THREADS), strict=True))
+    return dict(zip(sizes, _each(store, check, sizes), strict=True))
 
 
-def read_back(store: ObjectStore, sha: str) -> StoredBlob:
-    """Read one blob whole: its size and whether its bytes match its SHA-256.
+def read_back(store: ObjectStore, sha: str, *, metrics: Metrics, by: str) -> StoredBlob:
+    """Read one blob whole: its size and whether its bytes match its SHA-256 (``by``: who
+    reads, for ``ckpt_blob_read_bytes``).
 
     Raises:
         StoreUnavailableError: the store failed to answer (not: it has no such blob).
@@ -70,6 +111,7 @@ def read_back(store: ObjectStore, sha: str) -> StoredBlob:
         return StoredBlob(size=None)
     except StoreError as err:
         raise StoreUnavailableError(f"cannot read blob {sha} from the store: {err}") from err
+    metrics.blob_read_bytes.labels(by=by).inc(len(data))
     return StoredBlob(size=len(data), sha256_ok=hashlib.sha256(data).hexdigest() == sha)
 
 

@@ -63,7 +63,8 @@ def commit_bundle(
         stored = stored_blobs(
             context.store,
             plan.sizes,
-            verified=plan.verified,
+            metrics=context.metrics,
+            damaged=plan.damaged,
             unproven=plan.unproven,
             opened_at=plan.opened_at,
         )
@@ -91,7 +92,8 @@ class _Plan:
 
     records: dict[tuple[int, Layer], LayerRecord]
     sizes: dict[str, int]  # every referenced blob
-    verified: frozenset[str]  # those the service read back and hashed, and not damaged since
+    verified: frozenset[str]  # those the service found whole before, and not damaged since
+    damaged: frozenset[str]  # those found damaged and not found whole since
     unproven: frozenset[str]  # those the run must show it wrote (run isolation)
     opened_at: datetime
 
@@ -99,8 +101,9 @@ class _Plan:
 def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -> _Plan:
     records = _records(session, bundle)
     sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
-    known = repository.blobs_by_sha(session, shas=sizes)
+    known = repository.blob_health(session, shas=sizes)
     verified = frozenset(sha for sha, blob in known.items() if damage.trusted(blob))
+    damaged = frozenset(sha for sha, blob in known.items() if blob.damaged_at is not None)
     unproven = frozenset(
         set(sizes) - isolation.owned(session, run, shas=sizes)
         if isolation.limited(principal)
@@ -110,6 +113,7 @@ def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -
         records=records,
         sizes=sizes,
         verified=verified,
+        damaged=damaged,
         unproven=unproven,
         opened_at=bundle.created_at,
     )
@@ -193,7 +197,14 @@ def _finish_commit(
         manifest = _manifest(bundle, run, attempt, plan.records)
         _write_manifest(context.store, manifest)
         _complete(
-            context, session, bundle, run, plan=plan, manifest=manifest, actor=principal.actor
+            context,
+            session,
+            bundle,
+            run,
+            plan=plan,
+            stored=stored,
+            manifest=manifest,
+            actor=principal.actor,
         )
         return _committed(session, bundle, run)
 
@@ -233,14 +244,17 @@ def _complete(
     run: Run,
     *,
     plan: _Plan,
+    stored: Mapping[str, StoredBlob],
     manifest: Manifest,
     actor: str,
 ) -> None:
-    """Mark the newly read blobs verified and the bundle complete, and move the run's head."""
+    """Mark the blobs found whole (those the store's checksum confirmed: hashed too) and the
+    bundle complete, and move the run's head."""
     now = utcnow()
     repository.mark_verified(
         session,
         sizes={sha: size for sha, size in plan.sizes.items() if sha not in plan.verified},
+        hashed={sha for sha, blob in stored.items() if blob.sha256_ok},
         at=now,
     )
     bundle.status = BundleStatus.COMPLETE

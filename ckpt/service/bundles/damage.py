@@ -2,7 +2,7 @@
 marked in the catalog, and every complete bundle that uses it, of any run, is quarantined
 in the same transaction, each with the reason and an audit event. A damaged blob is never
 held (``/v1/blobs/missing`` reports it, so the next save writes it again); the commit that
-reads it back intact clears the damage.
+finds it whole again clears the damage.
 
 Lock order: the blobs' rows (in hash order, as claims and commits take them), then the
 bundles' (in id order). A commit holds its blobs' rows while it decides, so a blob marked
@@ -33,18 +33,19 @@ _PHRASES = {
 }
 
 
-def trusted(blob: Blob) -> bool:
-    """Whether the service read the blob back intact and has not found it damaged since."""
+def trusted(blob: Blob | repository.Health) -> bool:
+    """Whether the service found the blob whole (a commit, a read-back) and has not found it
+    damaged since."""
     return blob.verified_at is not None and blob.damaged_at is None
 
 
-def found_since(blobs: Iterable[Blob], moment: datetime) -> bool:
+def found_since(blobs: Iterable[repository.Health], moment: datetime) -> bool:
     """Whether any of these blobs was found damaged at or after ``moment`` (a read of the
     store that began then may have seen it whole just before)."""
     return any(blob.damaged_at is not None and blob.damaged_at >= moment for blob in blobs)
 
 
-def _verified_since(blob: Blob, moment: datetime) -> bool:
+def _verified_since(blob: repository.Health, moment: datetime) -> bool:
     return blob.verified_at is not None and blob.verified_at >= moment
 
 

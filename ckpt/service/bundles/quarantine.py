@@ -24,7 +24,7 @@ from ckpt.core.contract import Layer, LayerRecord
 from ckpt.service import completeness
 from ckpt.service.auth.service import Principal, require_admin
 from ckpt.service.bundles import damage, isolation, repository
-from ckpt.service.bundles.blobs import read_back, stored_blobs
+from ckpt.service.bundles.blobs import read_back, read_back_all
 from ckpt.service.bundles.fencing import check_run_epoch, for_write
 from ckpt.service.bundles.schemas import BundleOut, Quarantine, Unquarantine
 from ckpt.service.bundles.service import bundle_out
@@ -52,7 +52,8 @@ def quarantine(
         bundle, _ = _quarantinable(context, session, principal, bundle_id, request, lock=Lock.NONE)
         size = _size_in(session, bundle, request.blob)
     read_at = utcnow()
-    problem = completeness.blob_problem(size, read_back(context.store, request.blob))
+    stored = read_back(context.store, request.blob, metrics=context.metrics, by="quarantine")
+    problem = completeness.blob_problem(size, stored)
     if problem is None:
         raise IntactError(
             f"blob {request.blob} of bundle {bundle_id} reads back intact from the store "
@@ -90,7 +91,7 @@ def unquarantine(
         records = _records(session, bundle)
     sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
     read_at = utcnow()
-    stored = stored_blobs(context.store, sizes, verified=frozenset())
+    stored = read_back_all(context.store, sizes, metrics=context.metrics, by="quarantine")
     missing = completeness.missing(world_size=bundle.world_size, recorded=records, stored=stored)
     if missing:
         raise IncompleteError(
@@ -120,7 +121,7 @@ def _lift(
                     f"a blob of bundle {bundle_id} was found damaged while it was being "
                     "checked; retry"
                 )
-            repository.mark_verified(session, sizes=sizes, at=utcnow())
+            repository.mark_verified(session, sizes=sizes, hashed=sizes, at=utcnow())
             bundle.status = BundleStatus.COMPLETE
             bundle.reason = None
             events.record(

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -17,7 +17,7 @@ from ckpt.service.models import (
     Save,
     utcnow,
 )
-from ckpt.service.sql import Lock, insert, locked
+from ckpt.service.sql import Lock, insert, locked, one_of
 
 # Rows per statement: Postgres takes at most 65535 bind parameters per query.
 _BATCH = 1000
@@ -171,38 +171,77 @@ def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
     return found
 
 
-def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
+class Health(NamedTuple):
+    """What a commit needs of a blob's catalog row."""
+
+    verified_at: datetime | None
+    damaged_at: datetime | None
+
+
+def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
     """These blobs' catalog rows, locked for update in hash order (as claims lock them: an
-    UPDATE alone would lock in scan order and could deadlock with a claim)."""
-    found: dict[str, Blob] = {}
+    UPDATE alone would lock in scan order and could deadlock with a claim), and their
+    health."""
+    found: dict[str, Health] = {}
     ordered = sorted(shas)
     for start in range(0, len(ordered), _BATCH):
         chunk = ordered[start : start + _BATCH]
-        rows = session.scalars(
-            select(Blob).where(Blob.sha256.in_(chunk)).order_by(Blob.sha256).with_for_update()
+        rows = session.execute(
+            select(Blob.sha256, Blob.verified_at, Blob.damaged_at)
+            .where(one_of(session, Blob.sha256, chunk))
+            .order_by(Blob.sha256)
+            .with_for_update()
         )
-        found.update((row.sha256, row) for row in rows)
+        found.update((sha, Health(verified, damaged)) for sha, verified, damaged in rows)
     return found
 
 
-def mark_verified(session: Session, *, sizes: Mapping[str, int], at: datetime) -> None:
-    """Record that these blobs were read back with these sizes and matching SHA-256s: any
-    damage found before is gone (they were written again)."""
-    lock_blobs(session, shas=sizes)
-    ordered = sorted(sizes)
+def blob_health(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
+    """The health of these blobs' catalog rows (columns only: no ORM objects)."""
+    found: dict[str, Health] = {}
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        rows = session.execute(
+            select(Blob.sha256, Blob.verified_at, Blob.damaged_at).where(
+                one_of(session, Blob.sha256, ordered[start : start + _BATCH])
+            )
+        )
+        found.update((sha, Health(verified, damaged)) for sha, verified, damaged in rows)
+    return found
+
+
+def mark_verified(
+    session: Session, *, sizes: Mapping[str, int], hashed: Collection[str], at: datetime
+) -> None:
+    """Record that these blobs were found whole with these sizes (and the ``hashed`` ones
+    with their bytes matching their SHA-256): any damage found before is gone (they were
+    written again). The caller holds the rows' locks (``lock_blobs``)."""
+    by_size: dict[int, list[str]] = {}
+    for sha, size in sorted(sizes.items()):
+        by_size.setdefault(size, []).append(sha)
+    changes: list[tuple[list[str], dict[str, Any]]] = [
+        (shas, {"size": size, "verified_at": at, "damaged_at": None, "damage": None})
+        for size, shas in by_size.items()
+    ]
+    for shas, values in [*changes, (sorted(hashed), {"hashed_at": at})]:
+        for start in range(0, len(shas), _BATCH):
+            session.execute(
+                update(Blob)
+                .where(one_of(session, Blob.sha256, shas[start : start + _BATCH]))
+                .values(values)
+                .execution_options(synchronize_session=False)
+            )
+
+
+def mark_hashed(session: Session, *, shas: Collection[str], at: datetime) -> None:
+    """Record that these blobs were read back and their bytes hash to their names, unless
+    found damaged meanwhile (a rewrite and a commit clear that, not a read)."""
+    ordered = sorted(shas)
     for start in range(0, len(ordered), _BATCH):
         session.execute(
-            update(Blob),
-            [
-                {
-                    "sha256": sha,
-                    "size": sizes[sha],
-                    "verified_at": at,
-                    "damaged_at": None,
-                    "damage": None,
-                }
-                for sha in ordered[start : start + _BATCH]
-            ],
+            update(Blob)
+            .where(Blob.sha256.in_(ordered[start : start + _BATCH]), Blob.damaged_at.is_(None))
+            .values(hashed_at=at)
         )
 
 
@@ -214,7 +253,13 @@ def mark_damaged(session: Session, *, damage: Mapping[str, str], at: datetime) -
         session.execute(
             update(Blob),
             [
-                {"sha256": sha, "damaged_at": at, "damage": damage[sha], "verified_at": None}
+                {
+                    "sha256": sha,
+                    "damaged_at": at,
+                    "damage": damage[sha],
+                    "verified_at": None,
+                    "hashed_at": None,
+                }
                 for sha in ordered[start : start + _BATCH]
             ],
         )

@@ -1,5 +1,6 @@
 """The scrubber: re-read and re-hash stored blobs, so that a blob that rots or disappears
-after its bundle was committed is found before an agent relies on it.
+after its bundle was committed is found before an agent relies on it, and a blob a commit
+only size-checked (commits never read bytes) gets its bytes hashed (``hashed_at``).
 
 One pass reads the blobs of each run's resumable bundle first, then of the other complete
 bundles, newest first; each blob once, at most ``CKPT_SCRUB_BYTES_PER_SECOND`` on average.
@@ -116,6 +117,7 @@ class _Pass:
             sizes = _blob_sizes(session, bundle)
             run = runs_repository.get_run_by_id(session, run_id=bundle.run_id).name
         found: dict[str, BlobProblem] = {}
+        intact: list[str] = []
         read_at = utcnow()
         for sha, size in sizes.items():
             if sha in self.seen:
@@ -126,13 +128,19 @@ class _Pass:
             problem = self._read(sha, size)
             if problem is not None:
                 found[sha] = problem
+            else:
+                intact.append(sha)
         if BlobProblem.ABSENT in found.values() and not self.found_present:
             self._check_store_answers(run, bundle)
         self._mark(found, read_at=read_at)
+        if intact:  # a commit only checked their sizes: their bytes are known good now
+            with self.context.transaction() as session:
+                bundles_repository.mark_hashed(session, shas=intact, at=read_at)
         self.report.bundles += 1
 
     def _read(self, sha: str, size: int) -> BlobProblem | None:
-        stored = read_back(self.context.store, sha)  # StoreUnavailableError ends the pass
+        # A StoreUnavailableError ends the pass.
+        stored = read_back(self.context.store, sha, metrics=self.context.metrics, by="scrubber")
         self.seen.add(sha)
         self.found_present |= stored.size is not None
         metrics = self.context.metrics

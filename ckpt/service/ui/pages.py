@@ -64,7 +64,7 @@ class RunPage:
 class BlobView:
     sha256: str
     size: int
-    state: str  # verified, unverified, absent, wrong_size, wrong_hash, unknown
+    state: str  # verified, size-checked, unverified, absent, wrong_size, wrong_hash, unknown
 
 
 @dataclass(frozen=True)
@@ -181,8 +181,10 @@ def _blob(sha256: str, size: int, blob: Blob | None) -> BlobView:
         state = "unknown"
     elif blob.damaged_at is not None:
         state = blob.damage or "damaged"
+    elif blob.hashed_at is not None:
+        state = "verified"  # its bytes hashed to its name
     else:
-        state = "verified" if trusted(blob) else "unverified"
+        state = "size-checked" if trusted(blob) else "unverified"
     return BlobView(sha256=sha256, size=size, state=state)
 
 
