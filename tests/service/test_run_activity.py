@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from ckpt.service import lineage
 from ckpt.service.models import Attempt, Bundle, Run, RunActivity, utcnow
@@ -98,3 +98,36 @@ def test_the_kept_figures_follow_every_write(server: Server, run_name: str) -> N
         check(server, run, state="training", attempts=3, steps_lost=21, steps_computed=31)
         end(client, third, "finished", 10)
         check(server, run, state="finished", preemptions=1, steps_lost=21, bundles=1)
+
+
+def statements(server: Server, action: Any) -> int:
+    """How many SQL statements ``action`` made the control plane run."""
+    count = 0
+
+    def counted(*_: Any) -> None:
+        nonlocal count
+        count += 1
+
+    event.listen(server.context.engine, "before_cursor_execute", counted)
+    try:
+        action()
+    finally:
+        event.remove(server.context.engine, "before_cursor_execute", counted)
+    return count
+
+
+def test_a_page_of_runs_costs_what_one_run_does(server: Server) -> None:
+    with server.client() as client:
+        for index in range(12):
+            attempt = register(client, f"listed-{index:02d}")
+            save(client, server.store, f"listed-{index:02d}", attempt, step=10)
+
+        def page(limit: int) -> None:
+            answer = client.get("/v1/runs", params={"limit": limit})
+            assert answer.status_code == 200, answer.text
+            assert len(answer.json()["runs"]) == limit
+            listed = answer.json()["runs"][0]
+            assert listed["head"]["step"] == listed["resumable"]["step"] == 10
+            assert listed["num_bundles"] == {"complete": 1}
+
+        assert statements(server, lambda: page(12)) == statements(server, lambda: page(1))

@@ -1,11 +1,24 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import ColumnElement, Select, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import (
+    CTE,
+    BindParameter,
+    ColumnElement,
+    Select,
+    and_,
+    bindparam,
+    case,
+    func,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session, aliased
 
 from ckpt.service.lineage import AttemptNode
@@ -15,6 +28,7 @@ from ckpt.service.models import (
     Attempt,
     AttemptRank,
     Bundle,
+    BundleStatus,
     EndReason,
     Rollback,
     Run,
@@ -188,11 +202,96 @@ def page_runs(session: Session, *, after: str | None, limit: int, prefix: str | 
     return list(session.scalars(query))
 
 
-def count_bundles(session: Session, *, run_id: int) -> dict[str, int]:
-    rows = session.execute(
-        select(Bundle.status, func.count()).where(Bundle.run_id == run_id).group_by(Bundle.status)
+RUN_IDS: BindParameter[Any] = bindparam("run_ids", expanding=True)
+
+
+@functools.cache
+def resumable_walk() -> CTE:
+    """Each run's live branch (``run_ids``, bound) walked from its head through parents to
+    the first complete bundle (``lineage.resumable``'s rule), one recursive query for many
+    runs: its rows' ``status`` is complete for the one each run resumes from."""
+    start = (
+        select(
+            Run.id.label("run_id"),
+            Bundle.id,
+            Bundle.parent_id,
+            Bundle.status,
+            Bundle.step,
+            Bundle.committed_at,
+        )
+        .join(Bundle, Bundle.id == Run.head_bundle_id)
+        .where(Run.id.in_(RUN_IDS))
+        .cte("walk", recursive=True)
     )
-    return {status: count for status, count in rows}
+    parent = aliased(Bundle, name="parent")
+    return start.union_all(
+        select(
+            start.c.run_id,
+            parent.id,
+            parent.parent_id,
+            parent.status,
+            parent.step,
+            parent.committed_at,
+        ).join(
+            parent,
+            and_(parent.id == start.c.parent_id, start.c.status != BundleStatus.COMPLETE),
+        )
+    )
+
+
+def run_figures(session: Session, *, run_ids: Collection[int]) -> dict[int, RunFigures]:
+    """What the API shows of these runs beyond their own row, in four queries however many
+    runs: the head, the bundle each resumes from, the bundles by status, the steps lost."""
+    ids = {"run_ids": sorted(set(run_ids))}
+    found = {run_id: RunFigures() for run_id in ids["run_ids"]}
+    if not found:
+        return found
+    heads = session.execute(
+        select(Run.id, Bundle.id, Bundle.step, Bundle.status)
+        .join(Bundle, Bundle.id == Run.head_bundle_id)
+        .where(Run.id.in_(RUN_IDS)),
+        ids,
+    )
+    for run_id, bundle_id, step, status in heads:
+        found[run_id].head = BundleRefRow(bundle_id, step, status)
+    walk = resumable_walk()
+    resumable = session.execute(
+        select(walk.c.run_id, walk.c.id, walk.c.step, walk.c.status).where(
+            walk.c.status == BundleStatus.COMPLETE
+        ),
+        ids,
+    )
+    for run_id, bundle_id, step, status in resumable:
+        found[run_id].resumable = BundleRefRow(bundle_id, step, status)
+    counts = session.execute(
+        select(Bundle.run_id, Bundle.status, func.count())
+        .where(Bundle.run_id.in_(RUN_IDS))
+        .group_by(Bundle.run_id, Bundle.status),
+        ids,
+    )
+    for run_id, status, count in counts:
+        found[run_id].bundles[status] = count
+    lost = session.execute(
+        select(RunActivity.run_id, RunActivity.steps_lost).where(RunActivity.run_id.in_(RUN_IDS)),
+        ids,
+    )
+    for run_id, steps in lost:
+        found[run_id].steps_lost = steps
+    return found
+
+
+class BundleRefRow(NamedTuple):
+    id: int
+    step: int
+    status: str
+
+
+@dataclass
+class RunFigures:
+    head: BundleRefRow | None = None
+    resumable: BundleRefRow | None = None
+    bundles: dict[str, int] = field(default_factory=dict)  # by status
+    steps_lost: int = 0
 
 
 def add_attempt(
@@ -316,8 +415,23 @@ def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> 
     )
 
 
-def run_bundles(session: Session, *, run_id: int) -> list[Bundle]:
-    return list(session.scalars(select(Bundle).where(Bundle.run_id == run_id).order_by(Bundle.id)))
+class LineageRow(NamedTuple):
+    """A bundle as the lineage shows it: the columns it uses (never the manifest)."""
+
+    id: int
+    step: int
+    status: str
+    attempt_id: int | None
+    parent_id: int | None
+    pinned: bool
+    created_at: datetime
+    committed_at: datetime | None
+
+
+def lineage_bundles(session: Session, *, run_id: int) -> list[LineageRow]:
+    columns = [getattr(Bundle, name) for name in LineageRow._fields]
+    rows = session.execute(select(*columns).where(Bundle.run_id == run_id).order_by(Bundle.id))
+    return [LineageRow(*row) for row in rows]
 
 
 def add_rollback(

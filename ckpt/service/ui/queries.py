@@ -18,12 +18,11 @@ from typing import Any
 from sqlalchemy import (
     BindParameter,
     Select,
-    and_,
     bindparam,
     func,
     select,
 )
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session
 
 from ckpt.service.models import (
     TRAINING,
@@ -33,6 +32,7 @@ from ckpt.service.models import (
     RunActivity,
     Save,
 )
+from ckpt.service.runs.repository import resumable_walk
 
 # A SELECT of any columns.
 Statement = Select[*tuple[Any, ...]]
@@ -194,35 +194,9 @@ def _named(part: Callable[[str], Statement], values: list[Any]) -> dict[str, Any
 
 @functools.cache
 def _resumable(dialect: str) -> Statement:
-    """The newest complete bundle on each run's live branch: walk from the head to its
-    ancestors until a complete one (the rule of ``lineage.resumable``)."""
-    start = (
-        select(
-            Run.id.label("run_id"),
-            Bundle.id,
-            Bundle.parent_id,
-            Bundle.status,
-            Bundle.step,
-            Bundle.committed_at,
-        )
-        .join(Bundle, Bundle.id == Run.head_bundle_id)
-        .where(Run.id.in_(RUN_IDS))
-        .cte("walk", recursive=True)
-    )
-    parent = aliased(Bundle, name="parent")
-    walk = start.union_all(
-        select(
-            start.c.run_id,
-            parent.id,
-            parent.parent_id,
-            parent.status,
-            parent.step,
-            parent.committed_at,
-        ).join(
-            parent,
-            and_(parent.id == start.c.parent_id, start.c.status != BundleStatus.COMPLETE),
-        )
-    )
+    """The newest complete bundle on each run's live branch (``lineage.resumable``'s rule):
+    its step and when it committed."""
+    walk = resumable_walk()
     return select(walk.c.run_id, walk.c.step, walk.c.committed_at).where(
         walk.c.status == BundleStatus.COMPLETE
     )
