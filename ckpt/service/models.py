@@ -198,6 +198,7 @@ class Bundle(Base):
         CheckConstraint("step >= 0", name="step"),
         CheckConstraint("world_size >= 1", name="world_size"),
         Index(None, "run_id", "status", "step"),
+        Index(None, "status", "created_at"),  # garbage collection's expiry of pending ones
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

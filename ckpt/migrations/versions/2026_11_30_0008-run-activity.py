@@ -107,9 +107,13 @@ def upgrade() -> None:
     with op.batch_alter_table("blob") as batch:
         batch.add_column(sa.Column("hashed_at", TIMESTAMP, nullable=True))
     op.execute("UPDATE blob SET hashed_at = verified_at")
+    # Garbage collection fails the bundles pending for too long: a range of this index,
+    # where the index on (run_id, status, step) was scanned whole.
+    op.create_index(op.f("ix_bundle_status_created_at"), "bundle", ["status", "created_at"])
 
 
 def downgrade() -> None:
+    op.drop_index(op.f("ix_bundle_status_created_at"), table_name="bundle")
     with op.batch_alter_table("blob") as batch:
         batch.drop_column("hashed_at")
     op.create_index(

@@ -3,10 +3,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from datetime import datetime
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from ckpt.service.models import LIVE_STATUSES, Blob, Bundle, BundleStatus, Layer, LayerBlob, Run
+from ckpt.service.retention import Kept
 from ckpt.service.sql import insert
 
 
@@ -23,8 +24,13 @@ def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list
     return list(session.scalars(query))
 
 
-def run_names(session: Session) -> list[str]:
-    return list(session.scalars(select(Run.name).order_by(Run.name)))
+def run_names(session: Session, *, with_policy_only: bool) -> list[str]:
+    """Every run's name, or (``with_policy_only``) those of the runs with a retention policy
+    of their own: without a server-wide policy, the others keep everything."""
+    query = select(Run.name).order_by(Run.name)
+    if with_policy_only:
+        query = query.where(or_(Run.keep_last.is_not(None), Run.keep_every.is_not(None)))
+    return list(session.scalars(query))
 
 
 # Bundles whose blobs garbage collection keeps: the live ones, and quarantined ones (an
@@ -32,10 +38,21 @@ def run_names(session: Session) -> list[str]:
 KEPT_STATUSES = (*LIVE_STATUSES, BundleStatus.QUARANTINED)
 
 
-def bundles_in(session: Session, *, run_id: int, status: str) -> list[Bundle]:
-    return list(
-        session.scalars(select(Bundle).where(Bundle.run_id == run_id, Bundle.status == status))
+def kept_in(session: Session, *, run_id: int, status: str) -> list[Kept]:
+    """The run's bundles in ``status``, as retention sees them (the columns it needs only)."""
+    rows = session.execute(
+        select(
+            Bundle.id,
+            Bundle.step,
+            func.coalesce(Bundle.committed_at, Bundle.created_at),
+            Bundle.pinned,
+        ).where(Bundle.run_id == run_id, Bundle.status == status)
     )
+    return [Kept(*row) for row in rows]
+
+
+def bundles_by_id(session: Session, *, ids: Collection[int]) -> list[Bundle]:
+    return list(session.scalars(select(Bundle).where(Bundle.id.in_(sorted(ids)))))
 
 
 def live_references(session: Session, *, shas: Collection[str] | None = None) -> set[str]:

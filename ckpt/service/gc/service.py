@@ -65,8 +65,10 @@ def collect(context: Context, *, dry_run: bool = False, now: datetime | None = N
             report.skipped = True
             return report
         report.failed_bundles = _expire(context, now=now, dry_run=dry_run)
+        settings = context.settings
+        server_policy = settings.keep_last is not None or settings.keep_every is not None
         with context.transaction() as session:
-            names = repository.run_names(session)
+            names = repository.run_names(session, with_policy_only=not server_policy)
         for name in names:
             report.deleted_bundles += _retain(context, name, dry_run=dry_run)
         _sweep(context, report, now=now)
@@ -106,22 +108,16 @@ def _retain(context: Context, name: str, *, dry_run: bool) -> list[int]:
         keep_every = run.keep_every or settings.keep_every
         start = resumable_bundle(session, run)
         protected = {i for i in (run.head_bundle_id, start.id if start else None) if i}
-        doomed: list[Bundle] = []
+        doomed_ids: list[int] = []
         for status in (BundleStatus.COMPLETE, BundleStatus.QUARANTINED):
-            bundles = repository.bundles_in(session, run_id=run.id, status=status)
-            by_id = {b.id: b for b in bundles}
-            doomed += [
-                by_id[bundle_id]
-                for bundle_id in retention.to_delete(
-                    [
-                        retention.Kept(b.id, b.step, b.committed_at or b.created_at, b.pinned)
-                        for b in bundles
-                    ],
-                    keep_last=keep_last,
-                    keep_every=keep_every,
-                    protected=protected,
-                )
-            ]
+            doomed_ids += retention.to_delete(
+                repository.kept_in(session, run_id=run.id, status=status),
+                keep_last=keep_last,
+                keep_every=keep_every,
+                protected=protected,
+            )
+        by_id = {b.id: b for b in repository.bundles_by_id(session, ids=doomed_ids)}
+        doomed = [by_id[bundle_id] for bundle_id in doomed_ids]
         if not dry_run:
             reason = f"retention (keep_last={keep_last}, keep_every={keep_every})"
             for bundle in doomed:
