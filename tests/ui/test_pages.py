@@ -17,6 +17,7 @@ from ckpt.core.contract import Layer
 from ckpt.service import completeness
 from ckpt.service.models import Attempt, Bundle, Run, utcnow
 from ckpt.service.runs.repository import refresh_activity
+from ckpt.service.scrub.service import scrub
 from ckpt.service.ui import window
 from ckpt.service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage
 from ckpt.service.ui.pages import missing_words
@@ -315,7 +316,13 @@ def test_the_bundle_page(server: Server, run_name: str) -> None:
     with signed_in_client(server.url, server.admin_token) as browser:
         page = browser.get(f"/ui/runs/{run_name}/bundles/{head}").text
         assert len(re.findall(r'data-state="recorded"', page)) == 6
-        assert re.search(r'<tr data-sha="[0-9a-f]{64}" data-state="verified"', page)
+        # A commit checks sizes; the scrubber's read-back verifies the bytes.
+        assert re.search(r'<tr data-sha="[0-9a-f]{64}" data-state="size-checked"', page)
+        assert not re.search(r'data-state="verified"', page)
+        scrub(server.context)
+        scrubbed = browser.get(f"/ui/runs/{run_name}/bundles/{head}").text
+        assert not re.search(r'data-state="size-checked"', scrubbed)
+        assert re.search(r'<tr data-sha="[0-9a-f]{64}" data-state="verified"', scrubbed)
         assert f"CKPT_RUN={run_name}" in page and 'id="resume-command"' in page
         assert f"CKPT_FROM_RUN={run_name} CKPT_FROM_STEP=50 ckpt launch" in page
         manifest = browser.get(f"/ui/runs/{run_name}/bundles/{head}/manifest.json")
