@@ -19,6 +19,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session, aliased
 
 from ckpt.service.lineage import AttemptNode
@@ -71,8 +72,9 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int], settle: bool =
     absent): every write to attempts calls it, in its own transaction.
 
     ``settle`` sums the figures of all the run's attempts again, and counts its bundles (a
-    registration, an end, an attempt marked lost: once per attempt or so); without it (a heartbeat of the newest
-    attempt) only the newest attempt's own part changes, in constant time.
+    registration, an end, an attempt marked lost: once per attempt or so); without it (a
+    heartbeat of the newest attempt) only the newest attempt's own part changes, in
+    constant time.
     """
     for run_id in sorted(set(run_ids)):
         newest = session.execute(_newest_attempt(run_id)).first()
@@ -415,23 +417,11 @@ def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> 
     )
 
 
-class LineageRow(NamedTuple):
-    """A bundle as the lineage shows it: the columns it uses (never the manifest)."""
-
-    id: int
-    step: int
-    status: str
-    attempt_id: int | None
-    parent_id: int | None
-    pinned: bool
-    created_at: datetime
-    committed_at: datetime | None
-
-
-def lineage_bundles(session: Session, *, run_id: int) -> list[LineageRow]:
-    columns = [getattr(Bundle, name) for name in LineageRow._fields]
-    rows = session.execute(select(*columns).where(Bundle.run_id == run_id).order_by(Bundle.id))
-    return [LineageRow(*row) for row in rows]
+def lineage_bundles(session: Session, *, run_id: int, columns: Iterable[str]) -> list[Row[Any]]:
+    """The run's bundles, oldest first, with only these columns (never the manifest)."""
+    selected = [getattr(Bundle, name) for name in columns]
+    rows = session.execute(select(*selected).where(Bundle.run_id == run_id).order_by(Bundle.id))
+    return list(rows)
 
 
 def add_rollback(

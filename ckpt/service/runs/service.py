@@ -5,7 +5,9 @@ shared with ``attempts.py`` (the attempts of a run) and the bundles service."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session
 
 from ckpt.core.contract import Manifest
@@ -122,7 +124,7 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
     require_read(principal, name)
     with context.transaction() as session:
         run = _run(session, name)
-        bundles = repository.lineage_bundles(session, run_id=run.id)  # no manifests
+        bundles = repository.lineage_bundles(session, run_id=run.id, columns=BUNDLE_FIELDS)
         nodes = {b.id: node(b) for b in bundles}
         live = lineage.ancestry(run.head_bundle_id, nodes)
         on_live_branch = set(live)
@@ -137,7 +139,7 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
             resumable_id=start.id if start else None,
             live_branch=live,
             attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
-            bundles=[_lineage_bundle(b, live=b.id in on_live_branch) for b in bundles],
+            bundles=[LineageBundle(**b._mapping, live=b.id in on_live_branch) for b in bundles],
             parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
             resume_edges=[
                 ResumeEdge(bundle=a.resumed_from_id, attempt=a.id)
@@ -160,7 +162,7 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
 # Shared with the attempts and bundles services.
 
 
-def node(bundle: Bundle | repository.LineageRow) -> Node:
+def node(bundle: Bundle | Row[Any]) -> Node:
     return Node(
         id=bundle.id,
         step=bundle.step,
@@ -266,15 +268,5 @@ def _ref(bundle: Bundle) -> BundleRef:
     return BundleRef(id=bundle.id, step=bundle.step, status=bundle.status)
 
 
-def _lineage_bundle(bundle: repository.LineageRow, *, live: bool) -> LineageBundle:
-    return LineageBundle(
-        id=bundle.id,
-        step=bundle.step,
-        status=bundle.status,
-        attempt_id=bundle.attempt_id,
-        parent_id=bundle.parent_id,
-        pinned=bundle.pinned,
-        created_at=bundle.created_at,
-        committed_at=bundle.committed_at,
-        live=live,
-    )
+# A lineage bundle's columns: all it shows but ``live``, which the walk from the head says.
+BUNDLE_FIELDS = [name for name in LineageBundle.model_fields if name != "live"]

@@ -16,7 +16,6 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    BindParameter,
     Select,
     bindparam,
     func,
@@ -32,7 +31,7 @@ from ckpt.service.models import (
     RunActivity,
     Save,
 )
-from ckpt.service.runs.repository import resumable_walk
+from ckpt.service.runs.repository import RUN_IDS, resumable_walk
 
 # A SELECT of any columns.
 Statement = Select[*tuple[Any, ...]]
@@ -174,7 +173,6 @@ def figures(
 
 # Each part of the figures: a statement built once per database (run ids bound, expanding),
 # and the names of the values its rows hold after the run id.
-RUN_IDS: BindParameter[Any] = bindparam("run_ids", expanding=True)
 NAMES = {
     "_resumable": ("resumable_step", "resumable_at"),
     "_heads": ("head_step",),
