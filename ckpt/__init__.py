@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         CorruptBundleError,
         FencedError,
         IncompatibleBundleError,
+        StateChangedError,
         StoreError,
         UnrepresentableStateError,
     )
@@ -50,6 +51,7 @@ _EXPORTS = {
     "CorruptBundleError": "ckpt.core.errors",
     "FencedError": "ckpt.core.errors",
     "IncompatibleBundleError": "ckpt.core.errors",
+    "StateChangedError": "ckpt.core.errors",
     "StoreError": "ckpt.core.errors",
     "UnrepresentableStateError": "ckpt.core.errors",
     "__version__": "ckpt.core.version",
@@ -72,6 +74,7 @@ __all__ = [
     "ResumableSampler",
     "ResumeResult",
     "SaveResult",
+    "StateChangedError",
     "StoreError",
     "UnrepresentableStateError",
     "__version__",

@@ -52,12 +52,18 @@ def run_trainer(
 def trainer(tmp_path: Path) -> RunTrainer:
     counter = iter(range(1_000_000))
 
-    def run(*args: str, store: Path | None = None, expect_rc: int = 0) -> dict[str, Any]:
+    def run(
+        *args: str,
+        store: Path | None = None,
+        expect_rc: int = 0,
+        env: dict[str, str] | None = None,
+    ) -> dict[str, Any]:
         return run_trainer(
             store or tmp_path / "store",
             tmp_path / f"out{next(counter)}.pt",
             *args,
             expect_rc=expect_rc,
+            env=env,
         )
 
     return run

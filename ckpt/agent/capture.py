@@ -49,9 +49,10 @@ class LayerState:
 
 
 def stage(
-    objects: TrainingObjects, staging: StagingArea, *, skip_unchanged: bool
+    objects: TrainingObjects, staging: StagingArea, *, skip_unchanged: bool, overlap: bool
 ) -> tuple[dict[Layer, LayerState], Staged]:
-    """Capture the six layers and copy their tensors into the staging buffers."""
+    """Capture the six layers and copy their tensors into the staging buffers (with
+    ``overlap``, the optimizers' tensors later: ``staging``)."""
     skeletons = {}
     tensors: dict[str, torch.Tensor] = {}
     names: dict[Layer, list[str]] = {}
@@ -62,7 +63,13 @@ def stage(
         tensors.update(layer_tensors)
         names[layer] = list(layer_tensors)
     stable = stable_memory(objects) if skip_unchanged else set()
-    staged = staging.stage(tensors, volatile=lambda t: t.untyped_storage().data_ptr() not in stable)
+    stepped = optimizer_memory(objects)
+    staged = staging.stage(
+        tensors,
+        volatile=lambda t: t.untyped_storage().data_ptr() not in stable,
+        deferrable=lambda t: t.untyped_storage().data_ptr() in stepped,
+        overlap=overlap,
+    )
     states = {
         layer: LayerState(skeletons[layer], {n: staged.tensors[n] for n in names[layer]})
         for layer in RESTORE_ORDER
@@ -81,6 +88,21 @@ def stable_memory(objects: TrainingObjects) -> set[int]:
         for param in model.parameters()
         if not param.requires_grad
     }
+
+
+def optimizer_memory(objects: TrainingObjects) -> set[int]:
+    """Memory that only an optimizer's step writes: its parameters and their state."""
+    memory: set[int] = set()
+    for optimizer in objects.optimizers.values():
+        for group in optimizer.param_groups:
+            memory.update(_local(p).untyped_storage().data_ptr() for p in group["params"])
+        for state in optimizer.state.values():
+            memory.update(
+                _local(value).untyped_storage().data_ptr()
+                for value in state.values()
+                if isinstance(value, torch.Tensor)
+            )
+    return memory
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

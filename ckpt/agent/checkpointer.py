@@ -66,8 +66,8 @@ class Checkpointer:
         generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
             objects to capture with the global RNGs.
         store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
-            skip_unchanged, grace_seconds, handle_signals, heartbeat_seconds, quiet,
-            rank_timeout_seconds: see ``Config``. ``store`` may also be an ``ObjectStore``.
+            skip_unchanged, overlap, staging_bytes, grace_seconds, handle_signals,
+            heartbeat_seconds, quiet, rank_timeout_seconds: see ``Config``. ``store`` may also be an ``ObjectStore``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
@@ -95,6 +95,8 @@ class Checkpointer:
         blob_bytes: int | None = None,
         in_flight: InFlight | str | None = None,
         skip_unchanged: bool | None = None,
+        overlap: bool | None = None,
+        staging_bytes: int | None = None,
         grace_seconds: float | None = None,
         handle_signals: bool | None = None,
         heartbeat_seconds: float | None = None,
@@ -113,6 +115,8 @@ class Checkpointer:
                 "blob_bytes": blob_bytes,
                 "in_flight": in_flight,
                 "skip_unchanged": skip_unchanged,
+                "overlap": overlap,
+                "staging_bytes": staging_bytes,
                 "grace_seconds": grace_seconds,
                 "handle_signals": handle_signals,
                 "heartbeat_seconds": heartbeat_seconds,
@@ -147,7 +151,13 @@ class Checkpointer:
         self._restorer = Restorer(
             store=self.store, catalog=self._catalog, objects=self.objects, ranks=self.ranks
         )
-        self._staging = StagingArea()
+        self._staging = StagingArea(budget=config.staging_bytes)
+        # Every optimizer step first waits until the last save no longer needs the tensors
+        # it changes (overlapped copies, tensors read in place over the budget).
+        self._step_hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._staging.before_step())
+            for optimizer in self.objects.optimizers.values()
+        ]
         self._persister = Persister(
             run=config.run,
             store=self.store,
@@ -334,13 +344,20 @@ class Checkpointer:
         self._persister.check_one_bundle_per_step(position)
         self._catalog.check_step(step)
         states, staged = capture.stage(
-            self.objects, self._staging, skip_unchanged=self.config.skip_unchanged
+            self.objects,
+            self._staging,
+            skip_unchanged=self.config.skip_unchanged,
+            overlap=self.config.overlap,
         )
-        self._catalog.own_step(step)
-        self._last_saved = position
-        self._last_save_time = time.monotonic()
-        stall = time.perf_counter() - started
-        return self._persister.submit(states, staged, step=step, stall=stall, position=position)
+        try:
+            self._catalog.own_step(step)
+            self._last_saved = position
+            self._last_save_time = time.monotonic()
+            stall = time.perf_counter() - started
+            return self._persister.submit(states, staged, step=step, stall=stall, position=position)
+        except BaseException:
+            staged.abandon()
+            raise
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight (if any) is durable.
@@ -350,6 +367,17 @@ class Checkpointer:
                 unless ``PendingSave.wait`` already raised that failure.
         """
         return self._persister.wait()
+
+    def release_staging(self) -> int:
+        """Wait for the save in flight, then free the staging buffers (a copy of the state
+        in host memory, pinned for GPU tensors); the next save allocates them again.
+        Returns the bytes freed.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed.
+        """
+        self.wait()
+        return self._staging.release()
 
     def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
         """Tell the control plane how this attempt ended (finished, preempted or failed),
@@ -384,6 +412,8 @@ class Checkpointer:
         try:
             self.wait()
         finally:
+            for hook in self._step_hooks:
+                hook.remove()
             self._preemption.close()
             self._persister.close()
             self._catalog.close()

@@ -27,6 +27,8 @@ ENV = {
     "blob_bytes": "CKPT_BLOB_BYTES",
     "in_flight": "CKPT_IN_FLIGHT",
     "skip_unchanged": "CKPT_SKIP_UNCHANGED",
+    "overlap": "CKPT_OVERLAP",
+    "staging_bytes": "CKPT_STAGING_BYTES",
     "grace_seconds": "CKPT_GRACE_SECONDS",
     "handle_signals": "CKPT_HANDLE_SIGNALS",
     "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
@@ -62,6 +64,12 @@ class Config:
             is still persisting (``CKPT_IN_FLIGHT``).
         skip_unchanged: neither copy nor hash again a frozen parameter that did not change
             (``CKPT_SKIP_UNCHANGED``, default true; see ``ckpt.agent.staging``).
+        overlap: copy parameters and optimizer state in the background while the loop runs
+            forward and backward; the next optimizer step waits for what is not copied yet
+            (``CKPT_OVERLAP``, default true; see ``ckpt.agent.staging``).
+        staging_bytes: the most host memory the staging buffers may take; tensors beyond it
+            are read in place and the next optimizer step waits until they are written
+            (``CKPT_STAGING_BYTES``; default: no limit, a copy of the whole state).
         grace_seconds: how long the process has between SIGTERM and SIGKILL
             (``CKPT_GRACE_SECONDS``, default 30: set it a little below the pod's
             ``terminationGracePeriodSeconds``).
@@ -88,6 +96,8 @@ class Config:
     blob_bytes: int = DEFAULT_BLOB_BYTES
     in_flight: InFlight = InFlight.WAIT
     skip_unchanged: bool = True
+    overlap: bool = True
+    staging_bytes: int | None = None
     grace_seconds: float = 30.0
     handle_signals: bool = True
     heartbeat_seconds: float = 10.0
@@ -115,6 +125,8 @@ class Config:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.staging_bytes is not None and self.staging_bytes < 0:
+            raise ValueError(f"staging_bytes must be 0 or more, got {self.staging_bytes}")
         if self.blob_bytes < 1 << 20:
             raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
         try:
@@ -147,13 +159,13 @@ class Config:
 
 def _parse(name: str, variable: str, text: str) -> object:
     try:
-        if name in ("every_steps", "blob_bytes", "from_step"):
+        if name in ("every_steps", "blob_bytes", "from_step", "staging_bytes"):
             return int(text)
         if name in ("every_seconds", "grace_seconds", "heartbeat_seconds", "rank_timeout_seconds"):
             return float(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a number") from None
-    if name in ("skip_unchanged", "handle_signals", "quiet"):
+    if name in ("skip_unchanged", "overlap", "handle_signals", "quiet"):
         flag = text.strip().lower()
         if flag not in _FLAGS:
             raise ValueError(f"{variable}={text!r}: use 1 or 0 (true or false)")

@@ -33,7 +33,7 @@ from ckpt.agent.upload import (
     upload_layer,
 )
 from ckpt.core.contract import Layer, LayerRecord, SaveFigures
-from ckpt.core.errors import BundleExistsError, CkptError
+from ckpt.core.errors import BundleExistsError, CkptError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
 
@@ -45,8 +45,11 @@ class SaveResult:
     """What one save wrote and what it cost, once durable.
 
     Attributes:
-        stall_seconds: how long ``save`` held training up (staging, plus waiting for the
-            save before it when that one was still in flight).
+        stall_seconds: how long the save held training up: ``save`` (staging, plus waiting
+            for the save before it when that one was still in flight) and
+            ``step_wait_seconds``.
+        step_wait_seconds: how long the next optimizer step waited for the copies left to
+            the background (overlap) and for the tensors read in place (staging budget).
         persist_seconds: from the end of staging until the bundle was committed.
         payload_bytes: the bundle's bytes (this rank); new_bytes: those uploaded, the rest
             being blobs the store already held.
@@ -62,6 +65,7 @@ class SaveResult:
     persist_seconds: float
     copied_bytes: int = 0
     hashed_bytes: int = 0
+    step_wait_seconds: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -280,12 +284,16 @@ class Persister:
         total = sum(t.nbytes for t in staged.tensors.values())
         progress = Progress(f"ckpt: saving {bundle_name_at(self._run, step)}", total)
         try:
-            upload = self._uploader(states, stats=stats, hashes=hashes, progress=progress)
+            staged.finish()
+            upload = self._uploader(
+                states, step=step, staged=staged, stats=stats, hashes=hashes, progress=progress
+            )
             manifest = self._catalog.commit(upload, step=step)
         except Exception:
             log.exception("run %s: saving %s failed", self._run, bundle_name_at(self._run, step))
             raise
         finally:
+            staged.release(check=False)  # never leave the next optimizer step waiting
             self._blob_hashes = hashes.current
             progress.close()
         result = SaveResult(
@@ -293,10 +301,11 @@ class Persister:
             step=manifest.step,
             payload_bytes=stats.payload_bytes,
             new_bytes=stats.new_bytes,
-            stall_seconds=stall,
+            stall_seconds=stall + staged.step_wait_seconds,
             persist_seconds=time.perf_counter() - started,
             copied_bytes=staged.copied_bytes,
             hashed_bytes=stats.payload_bytes - hashes.reused_bytes,
+            step_wait_seconds=staged.step_wait_seconds,
         )
         self.durable_at = position
         self.saved[step] = position
@@ -309,17 +318,26 @@ class Persister:
         self,
         states: Mapping[Layer, LayerState],
         *,
+        step: int,
+        staged: Staged,
         stats: WriteStats,
         hashes: BlobHashes,
         progress: Progress,
     ) -> Upload:
-        """Hash and store every layer's blobs, asking ``held`` which the store holds."""
+        """Hash and store every layer's blobs, asking ``held`` which the store holds; then
+        let training step (the tensors read in place are written)."""
 
         def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
+            if staged.held and staged.released:
+                raise StateChangedError(
+                    f"{bundle_name_at(self._run, step)}: the store lost blobs of this save "
+                    "before its commit, and the tensors it read in place (over the staging "
+                    "budget) may have changed since: the save is not kept"
+                )
             stats.seen.clear()  # a second round uploads the blobs that vanished again
             stats.payload_bytes = 0
             share = self._share()
-            return {
+            records = {
                 layer: upload_layer(
                     self._store,
                     state,
@@ -332,6 +350,8 @@ class Persister:
                 )
                 for layer, state in states.items()
             }
+            staged.release()
+            return records
 
         return upload
 

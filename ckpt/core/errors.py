@@ -26,6 +26,11 @@ class UnrepresentableStateError(CkptError, TypeError):
     """A value in a state dict cannot be stored without pickle."""
 
 
+class StateChangedError(CkptError):
+    """Training changed a tensor a save was still copying or writing (an in-place write to
+    a parameter or optimizer state before the next optimizer step): that save is not kept."""
+
+
 class BundleFormatError(CkptError):
     """A manifest or payload is malformed, or carries something the format does not allow."""
 

@@ -143,3 +143,21 @@ def test_periodic_saves_resume_from_the_latest(
     resumed = trainer(*STEPS)
     assert resumed["positions"][0] == (40, 1)
     assert differences(references["sampler"], resumed) == []
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"CKPT_OVERLAP": "0"}, {"CKPT_STAGING_BYTES": "0"}, {"CKPT_STAGING_BYTES": "40000"}],
+    ids=["overlap-off", "budget-0", "budget-40kB"],
+)
+def test_staging_settings_keep_periodic_saves_bit_exact(
+    trainer: RunTrainer, references: dict[str, dict[str, Any]], settings: dict[str, str]
+) -> None:
+    # Saves every 10 steps while the loop goes on (overlap is on by default): the loop's
+    # forward and backward run beside the copies, the step waits for the rest; with a
+    # budget, for the tensors the persist reads in place. A kill mid-accumulation, too.
+    trainer("--steps", "45", "--total-steps", "80", "--every", "10", env=settings)
+    trainer(*STEPS, "--save-at", "42.2", "--kill-after-save", expect_rc=-9, env=settings)
+    resumed = trainer(*STEPS, env=settings)
+    assert resumed["positions"][0] == (42, 3)
+    assert differences(references["sampler"], resumed) == []

@@ -115,6 +115,21 @@ def test_pieces_of_any_range_are_that_slice(start: int, end: int) -> None:
     assert all(len(piece) > 0 for piece in pieces)
 
 
+@settings(database=None, deadline=None, max_examples=100)
+@given(st.integers(0, 200), st.integers(0, 200), st.integers(1, 64))
+def test_device_pieces_copy_any_range_in_bounded_pieces(start: int, end: int, piece: int) -> None:
+    # The path of a GPU tensor read in place (over the staging budget), run on a CPU tensor.
+    data = torch.arange(200, dtype=torch.int16).view(torch.uint8)[:200]
+    original = payload.DEVICE_PIECE_BYTES
+    payload.DEVICE_PIECE_BYTES = piece
+    try:
+        pieces = list(payload.device_pieces(data, start, end))
+    finally:
+        payload.DEVICE_PIECE_BYTES = original
+    assert b"".join(pieces) == bytes(data.numpy())[start:end]
+    assert all(0 < len(p) <= piece for p in pieces)
+
+
 def test_layout_refuses_dtypes_without_a_safetensors_code() -> None:
     with pytest.raises(UnrepresentableStateError, match=r"^weights/z: .*complex64"):
         payload.layout({}, {"weights/z": torch.zeros(2, dtype=torch.complex64)})

@@ -31,10 +31,20 @@ _LENGTH = struct.Struct("<Q")
 _MAX_HEADER_BYTES = 1 << 30
 
 
+DEVICE_PIECE_BYTES = 8 << 20
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor."""
     flat = tensor.reshape(-1)
     return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+
+
+def device_pieces(data: torch.Tensor, start: int, end: int) -> Iterator[memoryview]:
+    """Bytes ``[start, end)`` of a flat uint8 tensor on a device, copied to host memory
+    ``DEVICE_PIECE_BYTES`` at a time (a tensor read in place, over the staging budget)."""
+    for lo in range(start, end, DEVICE_PIECE_BYTES):
+        yield tensor_bytes(data[lo : min(lo + DEVICE_PIECE_BYTES, end)].cpu())
 
 
 @dataclass(frozen=True)
@@ -67,9 +77,14 @@ class PayloadLayout:
         return ranges
 
     @cached_property
-    def _segments(self) -> tuple[list[tuple[int, int]], list[memoryview], list[int]]:
+    def _segments(
+        self,
+    ) -> tuple[list[tuple[int, int]], list[memoryview | torch.Tensor], list[int]]:
         spans = self.spans()
-        views = [memoryview(self.header), *(tensor_bytes(t) for _, t in self.tensors)]
+        views: list[memoryview | torch.Tensor] = [memoryview(self.header)]
+        for _, tensor in self.tensors:
+            on_cpu = tensor.device.type == "cpu"
+            views.append(tensor_bytes(tensor) if on_cpu else tensor.reshape(-1).view(torch.uint8))
         return spans, views, [begin for begin, _ in spans]
 
     def sources(self, start: int, end: int) -> tuple[tuple[str, int, int], ...]:
@@ -95,12 +110,17 @@ class PayloadLayout:
             begin, stop = spans[i]
             lo, hi = max(start, begin), min(end, stop)
             if lo < hi:
-                yield views[i][lo - begin : hi - begin]
+                view = views[i]
+                if isinstance(view, torch.Tensor):  # on a device: through host memory
+                    yield from device_pieces(view, lo - begin, hi - begin)
+                else:
+                    yield view[lo - begin : hi - begin]
             i += 1
 
 
 def layout(skeleton: JSON, tensors: Mapping[str, torch.Tensor]) -> PayloadLayout:
-    """Plan a payload for CPU tensors (made contiguous here if they are not).
+    """Plan a payload for tensors (made contiguous here if they are not): staged CPU
+    buffers, or live tensors read in place.
 
     Raises:
         UnrepresentableStateError: a tensor's dtype has no safetensors code.
