@@ -9,15 +9,28 @@ runs with a policy of their own are retained: none here), with a server-wide
 ``keep_last=10`` as a dry run (every run's bundles weighed, nothing deleted), and that
 dry run again. The seeded bundles have no layers, so the sweep finds no blob: what is
 timed is expiry and retention.
+
+``--latency`` then starts a real ``ckpt server`` on that catalog and times
+``GET /v1/runs/{run}/resumable`` back to back: idle, while a dry-run pass with
+``keep_last=10`` runs inside the server's process (``POST /v1/gc``, as a server with
+``CKPT_MAINTENANCE=inline`` runs it), and while the same pass runs in a process of its own
+(``ckpt gc``, as ``ckpt worker`` runs it); p50 / p99 and their ratio to idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -26,6 +39,7 @@ from ckpt.service.db import make_engine, upgrade
 from ckpt.service.gc.service import collect
 from ckpt.service.settings import Settings
 from tests.databases import throwaway_database
+from tests.server_process import ckpt_server
 from tests.ui.seed import Shape, seed
 
 
@@ -53,6 +67,76 @@ def timed_pass(url: str, store: Path, *, keep_last: int | None, dry_run: bool) -
     return elapsed
 
 
+def sample_while(client: httpx.Client, path: str, busy: Callable[[], bool]) -> list[float]:
+    """Request ``path`` back to back while ``busy()``; the latencies."""
+    samples = []
+    while busy():
+        started = time.perf_counter()
+        client.get(path).raise_for_status()
+        samples.append(time.perf_counter() - started)
+    return samples
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[max(0, int(len(ordered) * 0.99) - 1)]
+
+
+def latency(url: str, root: Path) -> None:
+    env = {
+        "CKPT_KEEP_LAST": "10",
+        "CKPT_MAINTENANCE": "worker",  # the server runs no pass of its own
+        "CKPT_LOST_AFTER_SECONDS": "1000000",
+        "CKPT_RATE_LIMIT_PER_SECOND": "0",
+    }
+    path = "/v1/runs/run-00001/resumable"
+    with ckpt_server(root, database_url=url, env=env) as server, server.client() as client:
+        client.timeout = httpx.Timeout(600)
+        for _ in range(50):  # warm up
+            client.get(path).raise_for_status()
+        results: dict[str, list[float]] = {}
+
+        def during(name: str, start: Callable[[], Callable[[], bool]]) -> None:
+            busy = start()
+            results[name] = sample_while(client, path, busy)
+
+        def in_server() -> Callable[[], bool]:
+            def run() -> None:
+                with server.client() as admin:
+                    admin.timeout = httpx.Timeout(600)
+                    admin.post("/v1/gc", params={"dry_run": "true"}).raise_for_status()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread.is_alive
+
+        def in_process() -> Callable[[], bool]:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ckpt", "gc", "--dry-run"],
+                env={
+                    **os.environ,
+                    "CKPT_DATABASE_URL": url,
+                    "CKPT_STORE": server.store,
+                    "CKPT_KEEP_LAST": "10",
+                },
+                stdout=subprocess.DEVNULL,
+            )
+            return lambda: process.poll() is None
+
+        idle_until = time.monotonic() + 20
+        during("idle (20 s)", lambda: lambda: time.monotonic() < idle_until)
+        during("GC pass in the server's process", in_server)
+        during("GC pass in a process of its own", in_process)
+    idle = percentiles(results["idle (20 s)"])
+    print(f"\nGET {path}, back to back on one connection")
+    print(f"  {'while':<34} {'requests':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99/idle':>9}")
+    for name, samples in results.items():
+        p50, p99 = percentiles(samples)
+        print(
+            f"  {name:<34} {len(samples):8d} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p99 / idle[1]:9.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -60,6 +144,7 @@ def main() -> None:
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--runs", type=int, default=5_000)
     parser.add_argument("--bundles", type=int, default=50)
+    parser.add_argument("--latency", action="store_true", help="also time /resumable during GC")
     args = parser.parse_args()
     shape = Shape(runs=args.runs, bundles_per_run=args.bundles, big_bundles=0)
     with throwaway_database(args.postgres) as url, tempfile.TemporaryDirectory() as tmp:
@@ -73,6 +158,8 @@ def main() -> None:
         timed_pass(url, store, keep_last=None, dry_run=False)
         timed_pass(url, store, keep_last=10, dry_run=True)
         timed_pass(url, store, keep_last=10, dry_run=True)
+        if args.latency:
+            latency(url, Path(tmp))
 
 
 if __name__ == "__main__":

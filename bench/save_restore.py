@@ -7,8 +7,9 @@ The state is 8 x nn.Linear(3264, 3264) plus Adam after one step (85.23M paramete
 48 tensors, 1.02 GB). For each store (``dir``: a directory on local disk; ``s3``: a
 ``moto_server`` started here on 127.0.0.1, or ``--s3-endpoint``) it measures:
 
-- stall: how long ``save()`` holds training up, vs ``copy_`` of the same tensors into warm,
-  preallocated buffers (the floor). Each save follows a change to every tensor, so every
+- stall: how long ``save()`` holds training up with overlap off (the whole staging copy;
+  ``bench/overlap.py`` measures overlapped staging), vs ``copy_`` of the same tensors into
+  warm, preallocated buffers (the floor). Each save follows a change to every tensor, so every
   byte is staged, hashed and stored again.
 - persist: bundle bytes / (end of staging → committed), vs the same bytes written raw: one
   file + fsync (dir) or one boto3 multipart ``upload_fileobj`` (s3).
@@ -268,7 +269,10 @@ def measure_ckpt(
 ) -> Measured:
     run = f"bench-{uuid.uuid4().hex[:8]}"
     stalls, persists = [], []
-    with Checkpointer(run=run, store=store, models=model, optimizers=optimizer) as ckpt:
+    # Overlap off: the stall is the whole staging copy here (bench/overlap.py measures it on).
+    with Checkpointer(
+        run=run, store=store, models=model, optimizers=optimizer, overlap=False
+    ) as ckpt:
         cold = ckpt.save()
         cold.wait()
         for _ in range(repeat):

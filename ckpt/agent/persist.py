@@ -30,6 +30,7 @@ from ckpt.agent.upload import (
     Share,
     WriteStats,
     blobs_alike,
+    durable_together,
     upload_layer,
 )
 from ckpt.core.contract import Layer, LayerRecord, SaveFigures
@@ -337,20 +338,21 @@ class Persister:
             stats.seen.clear()  # a second round uploads the blobs that vanished again
             stats.payload_bytes = 0
             share = self._share()
-            records = {
-                layer: upload_layer(
-                    self._store,
-                    state,
-                    blob_bytes=self._blob_bytes,
-                    stats=stats,
-                    held=held,
-                    hashes=hashes,
-                    share=share if layer in self._replicated else None,
-                    progress=progress.advance,
-                )
-                for layer, state in states.items()
-            }
-            staged.release()
+            with durable_together(self._store):
+                records = {
+                    layer: upload_layer(
+                        self._store,
+                        state,
+                        blob_bytes=self._blob_bytes,
+                        stats=stats,
+                        held=held,
+                        hashes=hashes,
+                        share=share if layer in self._replicated else None,
+                        progress=progress.advance,
+                    )
+                    for layer, state in states.items()
+                }
+                staged.release()  # written: training may step while the disk flushes
             return records
 
         return upload

@@ -9,6 +9,7 @@ CPU and I/O overlap.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -166,6 +167,13 @@ def upload_layer(
         blobs=tuple(blobs),
         tensors=plan.index,
     )
+
+
+def durable_together(store: ObjectStore) -> contextlib.AbstractContextManager[object]:
+    """A block whose puts the store makes durable together on exit, where it can
+    (``DirectoryStore.batch``: one flush of the disk for a save's blobs); else nothing."""
+    batch = getattr(store, "batch", None)
+    return batch() if callable(batch) else contextlib.nullcontext()
 
 
 def blobs_alike(hashes: Sequence[Sequence[str]]) -> list[bool]:

@@ -1,5 +1,5 @@
-"""``ckpt server``, ``migrate``, ``gc``, ``scrub`` and ``catalog rebuild``: running the
-control plane and maintaining its catalog."""
+"""``ckpt server``, ``worker``, ``migrate``, ``gc``, ``scrub`` and ``catalog rebuild``:
+running the control plane and maintaining its catalog."""
 
 from __future__ import annotations
 
@@ -30,6 +30,17 @@ SERVER = """
 
     Prints its address, the catalog, the store and where the admin token is, then serves
     until stopped.
+"""
+
+WORKER = f"""
+    Run the control plane's periodic tasks in a process of their own: marking lost
+    attempts (every min(30, CKPT_LOST_AFTER_SECONDS / 2) s), garbage collection (every
+    CKPT_GC_INTERVAL_SECONDS) and the scrubber (every CKPT_SCRUB_INTERVAL_SECONDS), for
+    servers started with CKPT_MAINTENANCE=worker, which then run none of them: a long GC
+    pass over a large catalog no longer takes interpreter time from the API's requests.
+    One worker is enough; more are safe (one pass of each task runs at a time). {CATALOG}
+
+    Runs until SIGTERM or SIGINT, letting a pass in flight end (the scrubber's early).
 """
 
 MIGRATE = f"""
@@ -87,6 +98,14 @@ def add_commands(commands: Commands) -> None:
     server.add_argument("--host", help="listen address (CKPT_HOST, default 127.0.0.1)")
     server.add_argument("--port", type=int, help="port (CKPT_PORT, default 8470)")
     server.set_defaults(handler=_server)
+
+    worker = add_command(
+        commands,
+        "worker",
+        summary="run GC, the scrubber and the lost-attempt check apart from the servers",
+        description=WORKER,
+    )
+    worker.set_defaults(handler=_worker)
 
     migrate = add_command(
         commands,
@@ -148,6 +167,26 @@ def _server(args: argparse.Namespace) -> int:
     if current.embedded and not current.admin_token:
         print(f"  admin token: in {current.admin_token_file}", flush=True)
     uvicorn.run(app, host=current.host, port=current.port, log_level="warning")
+    return 0
+
+
+def _worker(_: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from ckpt.service.periodic import work_until
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    context = open_context()
+    stop = threading.Event()
+    for caught in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(caught, lambda *_: stop.set())
+    print(f"ckpt worker {__version__}: catalog {redact(context.settings.database_url)}", flush=True)
+    try:
+        work_until(context, stop)
+    finally:
+        context.close()
     return 0
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -38,14 +37,12 @@ from ckpt.service.errors import (
     ServiceError,
 )
 from ckpt.service.events.endpoints import router as events_router
-from ckpt.service.gc import service as gc
 from ckpt.service.gc.endpoints import router as gc_router
 from ckpt.service.health import router as health_router
 from ckpt.service.limits import Limits, token_limits
 from ckpt.service.logsafe import protect
-from ckpt.service.runs import attempts
+from ckpt.service.periodic import Periodic, periodic_tasks, run_once
 from ckpt.service.runs.endpoints import router as runs_router
-from ckpt.service.scrub import service as scrub
 from ckpt.service.scrub.endpoints import router as scrub_router
 from ckpt.service.settings import Settings, embedded_admin_token
 from ckpt.service.ui.endpoints import install as install_dashboard
@@ -103,17 +100,10 @@ def _lifespan(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         halt = threading.Event()  # ends a long pass (the scrubber's) in its worker thread
-        periodic: list[tuple[str, Callable[[Context], object], float]] = [
-            ("marking lost attempts", attempts.mark_lost, settings.lost_check_seconds)
-        ]
-        if settings.gc_interval_seconds > 0:
-            periodic.append(("garbage collection", gc.collect, settings.gc_interval_seconds))
-        if settings.scrub_interval_seconds > 0:
-            work = functools.partial(scrub.scrub, halt=halt)
-            periodic.append(("scrubbing", work, settings.scrub_interval_seconds))
+        inline = settings.maintenance == "inline"  # else ``ckpt worker`` runs them
         tasks = [
-            asyncio.create_task(_periodically(what, work, context, interval=every, stop=stop))
-            for what, work, every in periodic
+            asyncio.create_task(_periodically(task, context, stop=stop))
+            for task in (periodic_tasks(settings, halt=halt) if inline else [])
         ]
         try:
             yield
@@ -127,24 +117,14 @@ def _lifespan(
     return lifespan
 
 
-async def _periodically(
-    what: str,
-    work: Callable[[Context], object],
-    context: Context,
-    *,
-    interval: float,
-    stop: asyncio.Event,
-) -> None:
-    """Run ``work(context)`` in a worker thread every ``interval`` seconds until ``stop``."""
+async def _periodically(task: Periodic, context: Context, *, stop: asyncio.Event) -> None:
+    """Run ``task`` in a worker thread every ``task.every`` seconds until ``stop``."""
     while True:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval)
+            await asyncio.wait_for(stop.wait(), timeout=task.every)
         if stop.is_set():
             return
-        try:
-            await run_in_threadpool(work, context)
-        except Exception:  # keep the server up; the next pass tries again
-            log.exception("periodic %s failed", what)
+        await run_in_threadpool(run_once, task, context)
 
 
 def _serve_docs(app: FastAPI) -> None:

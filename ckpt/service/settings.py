@@ -33,6 +33,9 @@ class Settings:
             (``CKPT_ADMIN_TOKEN_FILE``, default ``.ckpt/admin-token``).
         auto_migrate: upgrade the schema at start (``CKPT_AUTO_MIGRATE``; default on for
             SQLite, off for a shared database, where the migrations Job does it).
+        maintenance: where the periodic tasks (lost attempts, GC, the scrubber) run:
+            ``inline`` in each server (the default) or ``worker``: in ``ckpt worker``, a
+            process of their own, the servers running none (``CKPT_MAINTENANCE``).
         gc_interval_seconds: how often the server runs retention and GC (``CKPT_GC_INTERVAL_SECONDS``,
             default 600; 0 turns the periodic task off).
         scrub_interval_seconds: the pause between two passes of the scrubber, which re-reads
@@ -69,6 +72,7 @@ class Settings:
     admin_token: str | None = None
     admin_token_file: str = ".ckpt/admin-token"
     auto_migrate: bool | None = None
+    maintenance: str = "inline"
     gc_interval_seconds: float = 600.0
     scrub_interval_seconds: float = 3600.0
     scrub_bytes_per_second: float = float(64 << 20)
@@ -107,6 +111,11 @@ class Settings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1 (or unset), got {value}")
+        if self.maintenance not in ("inline", "worker"):
+            raise ValueError(
+                f"CKPT_MAINTENANCE must be inline (in each server) or worker (in ckpt worker), "
+                f"got {self.maintenance!r}"
+            )
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")
         if self.max_body_bytes < 1024:

@@ -211,6 +211,27 @@ def test_the_control_plane_serves_on_8470_with_probes_and_a_drain(directory: str
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
 
 
+@pytest.mark.parametrize("directory", CONTROL_PLANE)
+def test_one_worker_runs_the_periodic_tasks_and_the_servers_none(directory: str) -> None:
+    docs = render(directory)
+    worker = one(docs, "Deployment", "ckpt-worker")
+    assert worker["spec"]["replicas"] == 1
+    (process,) = pod_spec(worker)["containers"]
+    assert process["command"] == ["ckpt", "worker"]
+    assert "ports" not in process  # it serves nothing
+    (server,) = pod_spec(one(docs, "Deployment", "ckpt-control-plane"))["containers"]
+    assert config_map_data(docs, server)["CKPT_MAINTENANCE"] == "worker"
+    # the same catalog, store and settings
+    assert _env_sources(process) == _env_sources(server)
+    service = one(docs, "Service", "ckpt-control-plane")
+    pod_labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= pod_labels.items()  # gets no traffic
+
+
+def _env_sources(container: Doc) -> list[tuple[str, str]]:
+    return [(kind, ref["name"]) for source in container["envFrom"] for kind, ref in source.items()]
+
+
 def test_production_keeps_a_replica_through_disruptions() -> None:
     docs = render("overlays/production")
     budget = one(docs, "PodDisruptionBudget", "ckpt-control-plane")

@@ -266,6 +266,51 @@ def test_a_put_in_flight_is_invisible(store: DirectoryStore) -> None:
     assert store.get("k") == b"newer"
 
 
+def test_a_batch_of_puts_appears_on_exit_with_one_fsync_per_file_and_directory(
+    store: DirectoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    store.put("blobs/aa/old", [b"old"])
+    synced.clear()
+    with store.batch():
+        threads = [
+            threading.Thread(target=store.put, args=(f"blobs/{d}/{n}", [d.encode(), n.encode()]))
+            for d in ("aa", "bb")
+            for n in ("1", "2", "3")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert synced == []
+        assert list(store.list_keys("")) == ["blobs/aa/old"]  # nothing under its key yet
+    assert store.get("blobs/bb/3") == b"bb3"
+    assert len(list(store.list_keys("blobs/"))) == 7
+    # 6 files; directories once each: blobs/aa, blobs/bb, and blobs (bb was made)
+    assert len(synced) == 6 + 3
+    assert files_under(store.root) == sorted(store.list_keys(""))  # no temporary file left
+    store.put("after", [b"durable at once"])
+    assert store.get("after") == b"durable at once"
+
+
+def test_a_batch_that_raises_leaves_no_object(store: DirectoryStore) -> None:
+    with pytest.raises(RuntimeError, match="upload failed"), store.batch():
+        store.put("a/1", [b"one"])
+        raise RuntimeError("upload failed")
+    assert files_under(store.root) == []
+    with store.batch(), pytest.raises(RuntimeError, match="open already"), store.batch():
+        pass
+
+
 def test_open_store_with_a_path(tmp_path: Path) -> None:
     opened = open_store(str(tmp_path / "s"))
 
