@@ -149,6 +149,22 @@ def test_keep_last_deletes_older_complete_bundles(
         assert client.get(f"/v1/runs/{run_name}/resumable").json()["bundle_id"] == ids[-1]
 
 
+def test_a_server_wide_policy_visits_only_runs_with_more_than_it_always_keeps(
+    make_server: MakeServer, backend: str
+) -> None:
+    server = make_server(backend, keep_last=2)
+    with server.client() as client:
+        for run, steps in (("few", [1, 2]), ("many", [1, 2, 3]), ("own", [1])):
+            save_steps(server, client, run, register(client, run), steps)
+        set_keep(client, "own", keep_last=1)  # a policy of its own: always visited
+        with server.context.transaction() as session:
+            assert gc_service.repository.run_names(session, server_keeps=2) == ["many", "own"]
+            assert gc_service.repository.run_names(session, server_keeps=None) == ["own"]
+        report = collect(server.context)
+        assert len(report.deleted_bundles) == 1  # "many"'s oldest; "few" was not even read
+        assert statuses(client, "few") == dict.fromkeys(statuses(client, "few"), "complete")
+
+
 def test_pinned_and_keep_every_are_kept(
     make_server: MakeServer, backend: str, run_name: str
 ) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Table, insert, text
 
+from ckpt.core.contract import MANIFEST_FORMAT
 from ckpt.service import lineage, models
 
 STATES = ("training", "preempted", "lost", "finished", "failed")
@@ -135,6 +136,7 @@ def add_run(
                 status = "quarantined"
             parent = _add_bundle(
                 rows,
+                run=name,
                 run_id=run_id,
                 attempt_id=attempt_id,
                 parent=parent,
@@ -186,6 +188,7 @@ def _activity(rows: Rows, *, run_id: int, state: str, attempts: int) -> dict[str
 def _add_bundle(
     rows: Rows,
     *,
+    run: str,
     run_id: int,
     attempt_id: int,
     parent: int | None,
@@ -206,7 +209,19 @@ def _add_bundle(
         created_at=at,
         committed_at=None if status == "pending" else at,
         versions=VERSIONS,
-        manifest=None if status == "pending" else {"step": step, "world_size": 1},
+        # A valid manifest of no rank's layers (so /resumable answers): real ones list
+        # every layer's blobs and are larger.
+        manifest=None
+        if status == "pending"
+        else {
+            "format": MANIFEST_FORMAT,
+            "run": run,
+            "step": step,
+            "world_size": 1,
+            "created_at": at.isoformat(),
+            "versions": VERSIONS,
+            "ranks": [],
+        },
     )
     if status != "pending":
         rows.add(

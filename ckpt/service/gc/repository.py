@@ -24,13 +24,21 @@ def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list
     return list(session.scalars(query))
 
 
-def run_names(session: Session, *, with_policy_only: bool) -> list[str]:
-    """Every run's name, or (``with_policy_only``) those of the runs with a retention policy
-    of their own: without a server-wide policy, the others keep everything."""
-    query = select(Run.name).order_by(Run.name)
-    if with_policy_only:
-        query = query.where(or_(Run.keep_last.is_not(None), Run.keep_every.is_not(None)))
-    return list(session.scalars(query))
+def run_names(session: Session, *, server_keeps: int | None) -> list[str]:
+    """The runs retention visits: those with a retention policy of their own and, with a
+    server-wide policy that always keeps the newest ``server_keeps`` bundles, those with
+    more complete (or more quarantined) bundles than that; any other run keeps everything.
+    """
+    own = or_(Run.keep_last.is_not(None), Run.keep_every.is_not(None))
+    if server_keeps is not None:
+        crowded = (
+            select(Bundle.run_id)
+            .where(Bundle.status.in_((BundleStatus.COMPLETE, BundleStatus.QUARANTINED)))
+            .group_by(Bundle.run_id, Bundle.status)
+            .having(func.count() > server_keeps)
+        )
+        own = or_(own, Run.id.in_(crowded))
+    return list(session.scalars(select(Run.name).where(own).order_by(Run.name)))
 
 
 # Bundles whose blobs garbage collection keeps: the live ones, and quarantined ones (an

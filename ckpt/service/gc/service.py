@@ -67,8 +67,10 @@ def collect(context: Context, *, dry_run: bool = False, now: datetime | None = N
         report.failed_bundles = _expire(context, now=now, dry_run=dry_run)
         settings = context.settings
         server_policy = settings.keep_last is not None or settings.keep_every is not None
+        # A policy keeps at least the newest max(keep_last, 1): runs with no more are skipped.
+        server_keeps = max(settings.keep_last or 0, 1) if server_policy else None
         with context.transaction() as session:
-            names = repository.run_names(session, with_policy_only=not server_policy)
+            names = repository.run_names(session, server_keeps=server_keeps)
         for name in names:
             report.deleted_bundles += _retain(context, name, dry_run=dry_run)
         _sweep(context, report, now=now)
@@ -116,13 +118,13 @@ def _retain(context: Context, name: str, *, dry_run: bool) -> list[int]:
                 keep_every=keep_every,
                 protected=protected,
             )
+        if dry_run or not doomed_ids:
+            return doomed_ids
         by_id = {b.id: b for b in repository.bundles_by_id(session, ids=doomed_ids)}
-        doomed = [by_id[bundle_id] for bundle_id in doomed_ids]
-        if not dry_run:
-            reason = f"retention (keep_last={keep_last}, keep_every={keep_every})"
-            for bundle in doomed:
-                _delete(context, session, name, bundle, reason=reason)
-        return [bundle.id for bundle in doomed]
+        reason = f"retention (keep_last={keep_last}, keep_every={keep_every})"
+        for bundle_id in doomed_ids:
+            _delete(context, session, name, by_id[bundle_id], reason=reason)
+        return doomed_ids
 
 
 def _delete(context: Context, session: Session, run: str, bundle: Bundle, *, reason: str) -> None:
