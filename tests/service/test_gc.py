@@ -23,6 +23,7 @@ from ckpt.core.contract import RESTORE_ORDER, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
 from ckpt.service.bundles import service as bundles_service
 from ckpt.service.bundles.blobs import stored_sizes
+from ckpt.service.gc import repository as gc_repository
 from ckpt.service.gc import service as gc_service
 from ckpt.service.gc.service import GcReport, collect
 from ckpt.service.models import Blob, Layer, LayerBlob, utcnow
@@ -158,8 +159,8 @@ def test_a_server_wide_policy_visits_only_runs_with_more_than_it_always_keeps(
             save_steps(server, client, run, register(client, run), steps)
         set_keep(client, "own", keep_last=1)  # a policy of its own: always visited
         with server.context.transaction() as session:
-            assert gc_service.repository.run_names(session, server_keeps=2) == ["many", "own"]
-            assert gc_service.repository.run_names(session, server_keeps=None) == ["own"]
+            assert gc_repository.run_names(session, server_keeps=2) == ["many", "own"]
+            assert gc_repository.run_names(session, server_keeps=None) == ["own"]
         report = collect(server.context)
         assert len(report.deleted_bundles) == 1  # "many"'s oldest; "few" was not even read
         assert statuses(client, "few") == dict.fromkeys(statuses(client, "few"), "complete")
