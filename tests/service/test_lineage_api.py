@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.service.conftest import Server
 from tests.service.helpers import open_bundle, register, save
@@ -198,3 +199,46 @@ def check_attempts(played: Played) -> None:
         5: ids["30"],
     }
     assert {n: a["pod"] for n, a in listed.items()} == {n: f"pod-{n}" for n in range(1, 6)}
+
+
+@pytest.mark.parametrize("limit", [1, 3, 4, 1000])
+def test_pages_of_the_lineage_add_up_to_the_whole(
+    server: Server, run_name: str, limit: int
+) -> None:
+    played = play(server, run_name)
+    whole = played.lineage
+    pages: list[dict[str, Any]] = []
+    with server.client() as client:
+        params: dict[str, int] = {"limit": limit}
+        while True:
+            answer = client.get(f"/v1/runs/{run_name}/lineage", params=params)
+            assert answer.status_code == 200, answer.text
+            pages.append(answer.json())
+            if pages[-1]["next_before"] is None:
+                break
+            params["before"] = pages[-1]["next_before"]
+        for bad in ({"limit": 0}, {"limit": 10_001}, {"before": 0}, {"limit": "many"}):
+            refused = client.get(f"/v1/runs/{run_name}/lineage", params=bad)
+            assert refused.status_code == 422, (bad, refused.text)
+    assert len(pages) == -(-len(whole["bundles"]) // limit)
+    assert all(len(page["bundles"]) <= limit for page in pages)
+    newest_first = list(reversed(pages))
+    assert [b for page in newest_first for b in page["bundles"]] == whole["bundles"]
+    assert [i for page in pages for i in page["live_branch"]] == whole["live_branch"]
+    for key in ("parent_edges", "resume_edges", "rollbacks"):
+        found = [item for page in pages for item in page[key]]
+        assert all(item in whole[key] for item in found), key
+        assert all(item in found for item in whole[key]), key
+    assert sorted({fork for page in pages for fork in page["forks"]}) == whole["forks"]
+    attempts = {a["id"]: a for page in pages for a in page["attempts"]}
+    by_epoch = sorted(attempts.values(), key=lambda a: a["epoch"])
+    assert by_epoch == [a for a in whole["attempts"] if a["id"] in attempts]
+    owners = {b["attempt_id"] for b in whole["bundles"]}
+    assert owners <= attempts.keys()
+    for page in pages:
+        for key in ("run", "epoch", "head_id", "resumable_id"):
+            assert page[key] == whole[key], key
+        ids = {b["id"] for b in page["bundles"]}
+        assert all(edge["child"] in ids for edge in page["parent_edges"])
+        assert all(fork in ids for fork in page["forks"])
+    assert whole["next_before"] is None

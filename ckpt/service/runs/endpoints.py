@@ -112,9 +112,22 @@ def resumable(run: RunPath, principal: PrincipalDep, context: ContextDep) -> Res
 
 
 @router.get("/runs/{run}/lineage", responses=responses(*ONE))
-def lineage(run: RunPath, principal: PrincipalDep, context: ContextDep) -> Lineage:
-    """Attempts, bundles, parent and resume edges, rollbacks and forks of the run."""
-    return service.get_lineage(context, principal, name=run)
+def lineage(
+    run: RunPath,
+    principal: PrincipalDep,
+    context: ContextDep,
+    limit: Annotated[
+        int | None, Query(ge=1, le=10_000, description="a page of this many bundles, newest first")
+    ] = None,
+    before: Annotated[
+        int | None, Query(ge=1, description="the page of bundles older than this id: next_before")
+    ] = None,
+) -> Lineage:
+    """Attempts, bundles, parent and resume edges, rollbacks and forks of the run; with
+    ``limit``, a page of its newest bundles (before ``before``) and what concerns them."""
+    if limit is None and before is None:
+        return service.get_lineage(context, principal, name=run)
+    return service.lineage_page(context, principal, name=run, limit=limit or 1000, before=before)
 
 
 @router.post("/runs/{run}/rollback", responses=responses(*ONE, ConflictError))

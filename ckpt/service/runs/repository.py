@@ -417,11 +417,76 @@ def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> 
     )
 
 
-def lineage_bundles(session: Session, *, run_id: int, columns: Iterable[str]) -> list[Row[Any]]:
-    """The run's bundles, oldest first, with only these columns (never the manifest)."""
+def lineage_bundles(
+    session: Session,
+    *,
+    run_id: int,
+    columns: Iterable[str],
+    before: int | None = None,
+    limit: int | None = None,
+) -> list[Row[Any]]:
+    """The run's bundles, oldest first, with only these columns (never the manifest); with
+    ``limit``, only its newest ``limit`` bundles with an id below ``before``."""
     selected = [getattr(Bundle, name) for name in columns]
-    rows = session.execute(select(*selected).where(Bundle.run_id == run_id).order_by(Bundle.id))
-    return list(rows)
+    query = select(*selected).where(Bundle.run_id == run_id)
+    if limit is None:
+        return list(session.execute(query.order_by(Bundle.id)))
+    if before is not None:
+        query = query.where(Bundle.id < before)
+    return list(session.execute(query.order_by(Bundle.id.desc()).limit(limit)))[::-1]
+
+
+def live_branch_from(session: Session, *, head_id: int | None, low: int) -> list[int]:
+    """The head and its ancestors down to id ``low``, newest first: one recursive query
+    (a parent is always older than its child, so the walk ends)."""
+    if head_id is None:
+        return []
+    walk = (
+        select(Bundle.id, Bundle.parent_id).where(Bundle.id == head_id).cte("live", recursive=True)
+    )
+    parent = aliased(Bundle, name="parent")
+    walk = walk.union_all(
+        select(parent.id, parent.parent_id)
+        .select_from(walk)
+        .join(
+            parent,
+            and_(parent.id == walk.c.parent_id, parent.id < walk.c.id, walk.c.parent_id >= low),
+        )
+    )
+    found = session.scalars(select(walk.c.id).where(walk.c.id >= low).order_by(walk.c.id.desc()))
+    return list(found)
+
+
+def page_attempts(
+    session: Session, *, run_id: int, attempt_ids: Collection[int], bundle_ids: Collection[int]
+) -> list[Attempt]:
+    """The run's attempts that own one of ``bundle_ids`` or resumed from one, by epoch."""
+    if not bundle_ids:
+        return []
+    return list(
+        session.scalars(
+            select(Attempt)
+            .where(
+                Attempt.run_id == run_id,
+                or_(Attempt.id.in_(sorted(attempt_ids)), Attempt.resumed_from_id.in_(bundle_ids)),
+            )
+            .order_by(Attempt.epoch)
+        )
+    )
+
+
+def forks_among(session: Session, *, run_id: int, parent_ids: Collection[int]) -> list[int]:
+    """Those of ``parent_ids`` with two children or more (in any page)."""
+    if not parent_ids:
+        return []
+    query = (
+        select(Bundle.parent_id)
+        .where(Bundle.run_id == run_id, Bundle.parent_id.in_(parent_ids))
+        .group_by(Bundle.parent_id)
+        .having(func.count() > 1)
+        .order_by(Bundle.parent_id)
+    )
+    return [parent for parent in session.scalars(query) if parent is not None]
 
 
 def add_rollback(

@@ -162,14 +162,19 @@ class RollbackEvent(BaseModel):
 
 
 class Lineage(BaseModel):
+    """The run's lineage, or a page of it (``limit``): its newest bundles before
+    ``before``, oldest first, with what concerns them; ``next_before`` asks for the page
+    after (older), null on the last."""
+
     run: str
     epoch: int
     head_id: int | None
     resumable_id: int | None
-    live_branch: list[int]  # the head first, then its ancestors
-    attempts: list[AttemptOut]
+    live_branch: list[int]  # the head first, then its ancestors (in the page, on a page)
+    attempts: list[AttemptOut]  # on a page: those with a bundle in it or resuming from one
     bundles: list[LineageBundle]
     parent_edges: list[Edge]
     resume_edges: list[ResumeEdge]
-    rollbacks: list[RollbackEvent]
+    rollbacks: list[RollbackEvent]  # on a page: those to or from a bundle in it
     forks: list[int]
+    next_before: int | None = None

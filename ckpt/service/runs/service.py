@@ -159,6 +159,63 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
         )
 
 
+def lineage_page(
+    context: Context, principal: Principal, *, name: str, limit: int, before: int | None
+) -> Lineage:
+    """A page of the lineage: the run's ``limit`` newest bundles older than ``before``, with
+    the live branch, attempts, edges, rollbacks and forks that concern them. Its cost grows
+    with the page, not with the run (the live branch is walked in SQL down to the page)."""
+    require_read(principal, name)
+    with context.transaction() as session:
+        run = _run(session, name)
+        rows = repository.lineage_bundles(
+            session, run_id=run.id, columns=BUNDLE_FIELDS, before=before, limit=limit + 1
+        )
+        more = len(rows) > limit
+        bundles = rows[len(rows) - limit :] if more else rows  # oldest first
+        ids = [b.id for b in bundles]
+        low = ids[0] if ids else (before or 0)
+        live = repository.live_branch_from(session, head_id=run.head_bundle_id, low=low)
+        live = [i for i in live if before is None or i < before]
+        on_live_branch = set(live)
+        start = lineage.resumable(run.head_bundle_id, catalog_nodes(session))
+        attempts = repository.page_attempts(
+            session,
+            run_id=run.id,
+            attempt_ids={b.attempt_id for b in bundles if b.attempt_id is not None},
+            bundle_ids=ids,
+        )
+        lost = lineage.steps_lost_by_attempt(repository.attempt_nodes(session, run_id=run.id))
+        in_page = set(ids)
+        return Lineage(
+            run=run.name,
+            epoch=run.epoch,
+            head_id=run.head_bundle_id,
+            resumable_id=start.id if start else None,
+            live_branch=live,
+            attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
+            bundles=[LineageBundle(**b._mapping, live=b.id in on_live_branch) for b in bundles],
+            parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
+            resume_edges=[
+                ResumeEdge(bundle=a.resumed_from_id, attempt=a.id)
+                for a in attempts
+                if a.resumed_from_id is not None
+            ],
+            rollbacks=[
+                RollbackEvent(
+                    from_bundle_id=r.from_bundle_id,
+                    to_bundle_id=r.to_bundle_id,
+                    epoch=r.epoch,
+                    created_at=r.created_at,
+                )
+                for r in repository.run_rollbacks(session, run_id=run.id)
+                if r.to_bundle_id in in_page or r.from_bundle_id in in_page
+            ],
+            forks=repository.forks_among(session, run_id=run.id, parent_ids=ids),
+            next_before=ids[0] if more else None,
+        )
+
+
 # Shared with the attempts and bundles services.
 
 
