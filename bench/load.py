@@ -5,7 +5,8 @@
 Each simulated agent has a ``run`` token of its own and its own run; it registers an
 attempt, then every ``--period`` seconds (or as soon as the last one ends, when the server
 is slower) saves a bundle the way the agent does: ``POST /v1/blobs/missing``, open, one
-record per layer (each layer one small blob already in the store) and commit. Each poller
+record per layer (each layer's two small blobs, new bytes every save, written to the
+store once the bundle is open, as the agent uploads them) and commit. Each poller
 has a ``read`` token and asks ``GET /v1/runs/{run}/resumable`` of a random agent's run
 every ``--period`` seconds. Everything runs on one event loop with httpx (one connection
 per client). Printed: requests and errors by kind (any answer other than the expected
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -31,8 +33,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckpt.core.contract import RESTORE_ORDER
-from ckpt.core.storage import DirectoryStore
+from ckpt.core.contract import RESTORE_ORDER, LayerRecord
+from ckpt.core.storage import DirectoryStore, keys
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
 from tests.service.helpers import VERSIONS, make_layer
@@ -56,13 +58,15 @@ class Figures:
             return None
         self.latencies.setdefault(kind, []).append(time.perf_counter() - started)
         if answer.status_code not in expect:
-            self.errors[f"{kind}: {answer.status_code} {answer.text[:80]}"] += 1
+            # Grouped by what they say, numbers aside.
+            said = re.sub(r"\d+", "N", answer.text[:400])
+            self.errors[f"{kind}: {answer.status_code} {said}"] += 1
             return None
         return answer
 
 
 async def agent(
-    url: str, token: str, run: str, *, layers: list[dict[str, Any]], figures: Figures, args: Any
+    url: str, token: str, run: str, *, store: DirectoryStore, figures: Figures, args: Any
 ) -> None:
     headers = {"Authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as client:
@@ -73,13 +77,18 @@ async def agent(
             return
         attempt = answer.json()
         epoch = attempt["epoch"]
-        blobs = [blob for layer in layers for blob in layer["blobs"]]
         step = 0
         stop = time.monotonic() + args.seconds
         while time.monotonic() < stop:
             started = time.perf_counter()
             step += 1
-            await figures.call("blobs/missing", client.post("/v1/blobs/missing", json=blobs))
+            # New bytes every save, as training writes them: uploaded once the bundle is open.
+            made = [make_layer(store, upload=False) for _ in RESTORE_ORDER]
+            layers = [record.model_dump(mode="json") for record, _ in made]
+            blobs = [blob for layer in layers for blob in layer["blobs"]]
+            await figures.call(
+                "blobs/missing", client.post("/v1/blobs/missing", json={"blobs": blobs})
+            )
             opened = await figures.call(
                 "open",
                 client.post(
@@ -97,6 +106,7 @@ async def agent(
             if opened is None:
                 continue
             bundle = opened.json()["id"]
+            await asyncio.to_thread(upload, store, made)
             for layer, record in zip(RESTORE_ORDER, layers, strict=True):
                 await figures.call(
                     "record",
@@ -126,6 +136,12 @@ async def poller(url: str, token: str, runs: list[str], figures: Figures, args: 
             await asyncio.sleep(max(0.0, args.period - (time.perf_counter() - started)))
 
 
+def upload(store: DirectoryStore, made: list[tuple[LayerRecord, list[bytes]]]) -> None:
+    for record, pieces in made:
+        for blob, piece in zip(record.blobs, pieces, strict=True):
+            store.put(keys.blob_key(blob.sha256), [piece])
+
+
 def tokens(admin: httpx.Client, role: str, names: list[str | None]) -> list[str]:
     made = []
     for index, run in enumerate(names):
@@ -147,13 +163,13 @@ async def load(
     reader_tokens: list[str],
     *,
     runs: list[str],
-    layers: list[dict[str, Any]],
+    store: DirectoryStore,
     args: Any,
 ) -> Figures:
     figures = Figures()
     await asyncio.gather(
         *(
-            agent(url, t, r, layers=layers, figures=figures, args=args)
+            agent(url, t, r, store=store, figures=figures, args=args)
             for t, r in zip(trainer_tokens, runs, strict=True)
         ),
         *(poller(url, t, runs, figures, args) for t in reader_tokens),
@@ -170,26 +186,31 @@ def main() -> None:
     parser.add_argument("--pollers", type=int, default=100)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--period", type=float, default=1.0)
+    parser.add_argument("--workers", type=int, default=1, help="the server's CKPT_WORKERS")
     args = parser.parse_args()
     runs = [f"load-{index:03d}" for index in range(args.agents)]
     with throwaway_database(args.postgres) as database, tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        env = {"CKPT_LOST_AFTER_SECONDS": "1000000", "CKPT_SCRUB_INTERVAL_SECONDS": "0"}
+        env = {
+            "CKPT_LOST_AFTER_SECONDS": "1000000",
+            "CKPT_SCRUB_INTERVAL_SECONDS": "0",
+            "CKPT_WORKERS": str(args.workers),
+        }
         with ckpt_server(root, database_url=database, env=env) as server:
             store = DirectoryStore(server.store)
-            layers = [make_layer(store)[0].model_dump(mode="json") for _ in RESTORE_ORDER]
             with server.client() as admin:
                 trainer_tokens = tokens(admin, "run", list(runs))
                 reader_tokens = tokens(admin, "read", [None] * args.pollers)
             started = time.perf_counter()
             figures = asyncio.run(
-                load(server.url, trainer_tokens, reader_tokens, runs, layers, args)
+                load(server.url, trainer_tokens, reader_tokens, runs=runs, store=store, args=args)
             )
             elapsed = time.perf_counter() - started
     saves = len(figures.latencies.get("whole save", []))
     polls = len(figures.latencies.get("resumable", []))
     print(
-        f"{args.agents} agents, {args.pollers} pollers, {elapsed:.0f} s: {saves} saves "
+        f"{args.agents} agents, {args.pollers} pollers, {args.workers} server process(es), "
+        f"{elapsed:.0f} s: {saves} saves "
         f"({saves / elapsed:.1f}/s), {polls} polls ({polls / elapsed:.1f}/s), "
         f"{sum(figures.requests.values())} requests, {sum(figures.errors.values())} errors"
     )

@@ -97,6 +97,9 @@ def add_commands(commands: Commands) -> None:
     )
     server.add_argument("--host", help="listen address (CKPT_HOST, default 127.0.0.1)")
     server.add_argument("--port", type=int, help="port (CKPT_PORT, default 8470)")
+    server.add_argument(
+        "--workers", type=int, help="processes serving the API (CKPT_WORKERS, default 1)"
+    )
     server.set_defaults(handler=_server)
 
     worker = add_command(
@@ -156,7 +159,7 @@ def _server(args: argparse.Namespace) -> int:
     from ckpt.service.app import create_app
     from ckpt.service.health import steady_collector
 
-    current = settings(host=args.host, port=args.port)
+    current = settings(host=args.host, port=args.port, workers=args.workers)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     app = create_app(current)
@@ -166,7 +169,20 @@ def _server(args: argparse.Namespace) -> int:
     print(f"  store:   {app.state.context.store.url}", flush=True)
     if current.embedded and not current.admin_token:
         print(f"  admin token: in {current.admin_token_file}", flush=True)
-    uvicorn.run(app, host=current.host, port=current.port, log_level="warning")
+    if current.workers == 1:
+        uvicorn.run(app, host=current.host, port=current.port, log_level="warning")
+        return 0
+    # Each process builds its own app from the same settings (the checks above ran once).
+    app.state.context.close()
+    print(f"  workers: {current.workers} processes", flush=True)
+    uvicorn.run(
+        "ckpt.service.app:from_environment",
+        factory=True,
+        workers=current.workers,
+        host=current.host,
+        port=current.port,
+        log_level="warning",
+    )
     return 0
 
 

@@ -91,6 +91,15 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     return app
 
 
+def from_environment() -> FastAPI:
+    """The app of one of several server processes (``CKPT_WORKERS``): uvicorn's factory."""
+    from ckpt.service.health import steady_collector
+
+    app = create_app(Settings.from_env())
+    steady_collector()  # after the app is built: see its docstring
+    return app
+
+
 def _lifespan(
     settings: Settings, context: Context
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:

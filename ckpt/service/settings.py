@@ -26,6 +26,8 @@ class Settings:
             ``sqlite:///.ckpt/catalog.db``; production: ``postgresql+psycopg://...``.
         store: the object store holding the blobs (``CKPT_STORE``), as the agent names it.
         host, port: where ``ckpt server`` listens (``CKPT_HOST``, ``CKPT_PORT``).
+        workers: processes ``ckpt server`` serves the API with (``CKPT_WORKERS``, default
+            1; more only on PostgreSQL: one process owns an SQLite catalog).
         admin_token: the bootstrap admin bearer token (``CKPT_ADMIN_TOKEN``); several, separated
             by commas, are all valid (to rotate it without downtime). Unset on the embedded
             SQLite default: one is generated into ``admin_token_file``.
@@ -69,6 +71,7 @@ class Settings:
     store: str = ".ckpt/store"
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    workers: int = 1
     admin_token: str | None = None
     admin_token_file: str = ".ckpt/admin-token"
     auto_migrate: bool | None = None
@@ -115,6 +118,11 @@ class Settings:
             raise ValueError(
                 f"CKPT_MAINTENANCE must be inline (in each server) or worker (in ckpt worker), "
                 f"got {self.maintenance!r}"
+            )
+        if self.workers < 1 or (self.workers > 1 and self.embedded):
+            raise ValueError(
+                f"CKPT_WORKERS must be 1 on SQLite (one process owns the catalog), or at least "
+                f"1 on PostgreSQL; got {self.workers}"
             )
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")

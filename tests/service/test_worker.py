@@ -1,5 +1,5 @@
 """``ckpt worker``: the periodic tasks in a process of their own, beside servers started with
-``CKPT_MAINTENANCE=worker`` that run none."""
+``CKPT_MAINTENANCE=worker`` that run none; and ``ckpt server`` as several processes."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
+from ckpt.core.storage import DirectoryStore
 from ckpt.service.models import MaintenancePass
 from ckpt.service.settings import Settings
-from tests.service.conftest import ADMIN_TOKEN, MakeServer
-from tests.service.helpers import open_bundle, register
+from tests.server_process import ckpt_server
+from tests.service.conftest import ADMIN_TOKEN, MakeServer, create_pg_database
+from tests.service.helpers import open_bundle, register, save
 
 DEADLINE = 60.0  # bounds the waits; a healthy worker takes well under a second
 
@@ -72,3 +74,32 @@ def test_maintenance_is_inline_or_worker() -> None:
     assert Settings.from_env({"CKPT_MAINTENANCE": "worker"}).maintenance == "worker"
     with pytest.raises(ValueError, match="CKPT_MAINTENANCE must be inline"):
         Settings.from_env({"CKPT_MAINTENANCE": "elsewhere"})
+
+
+def test_several_server_processes_serve_one_postgresql_catalog(
+    pg_databases: list[str], tmp_path: Path
+) -> None:
+    url = create_pg_database()
+    pg_databases.append(url)
+    with (
+        ckpt_server(tmp_path, database_url=url, env={"CKPT_WORKERS": "2"}) as server,
+        server.client() as client,
+    ):
+        store = DirectoryStore(server.store)
+        for index in range(6):  # spread over both processes by the kernel
+            attempt = register(client, f"multi-{index}")
+            save(client, store, f"multi-{index}", attempt, step=1)
+        runs = client.get("/v1/runs", params={"limit": 50}).json()["runs"]
+        assert [r["name"] for r in runs] == [f"multi-{i}" for i in range(6)]
+    assert "workers: 2 processes" in server.log.read_text()
+
+
+def test_several_server_processes_need_postgresql() -> None:
+    assert (
+        Settings.from_env({"CKPT_WORKERS": "3", "CKPT_DATABASE_URL": "postgresql://h/d"}).workers
+        == 3
+    )
+    with pytest.raises(ValueError, match="CKPT_WORKERS must be 1 on SQLite"):
+        Settings.from_env({"CKPT_WORKERS": "2"})
+    with pytest.raises(ValueError, match="CKPT_WORKERS must be"):
+        Settings.from_env({"CKPT_WORKERS": "0", "CKPT_DATABASE_URL": "postgresql://h/d"})
