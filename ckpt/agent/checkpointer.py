@@ -67,7 +67,8 @@ class Checkpointer:
             objects to capture with the global RNGs.
         store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
             skip_unchanged, overlap, staging_bytes, grace_seconds, handle_signals,
-            heartbeat_seconds, quiet, rank_timeout_seconds: see ``Config``. ``store`` may also be an ``ObjectStore``.
+            heartbeat_seconds, quiet, rank_timeout_seconds: see ``Config``. ``store`` may
+            also be an ``ObjectStore``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.

@@ -112,8 +112,6 @@ class Staged:
         self.unchanged = unchanged
         self.held = held
         self.copied_bytes = copied_bytes  # at once and deferred
-        self.deferred_bytes = sum(buffer.nbytes for _, _, buffer in deferred or ())
-        self.held_bytes = sum(tensors[name].nbytes for name in held)
         self._deferred = deferred or []
         self._events = events or []  # the side streams' copies (GPU): done when these are
         watched = [(name, source) for name, source, _ in self._deferred]
