@@ -6,7 +6,7 @@ import enum
 from collections.abc import Collection
 from typing import Any, TypeVar
 
-from sqlalchemy import ARRAY, ColumnElement, Select, Text, any_, func, literal
+from sqlalchemy import ARRAY, ColumnElement, Select, any_, literal
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session
 
@@ -43,12 +43,6 @@ def one_of(
 ) -> ColumnElement[bool]:
     """``column IN values``: on PostgreSQL ``= ANY(array)``, one bound parameter however many
     values (an IN list binds each: 1,000 blobs cost more to send than to look up)."""
-    items = list(values)
-    if session.get_bind().dialect.name != "postgresql":
-        return column.in_(items)
-    if all(isinstance(item, str) and "," not in item for item in items):
-        # One text parameter that PostgreSQL splits: psycopg dumps a list parameter element
-        # by element (a regular expression each), 10 ms per 1,000 SHA-256s.
-        joined = literal(",".join(items), Text())  # type: ignore[arg-type]
-        return column == any_(func.string_to_array(joined, ","))
-    return column == any_(literal(items, ARRAY(column.type)))
+    if session.get_bind().dialect.name == "postgresql":
+        return column == any_(literal(list(values), ARRAY(column.type)))
+    return column.in_(list(values))
