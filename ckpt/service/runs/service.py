@@ -4,7 +4,7 @@ shared with ``attempts.py`` (the attempts of a run) and the bundles service."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Row
@@ -16,7 +16,7 @@ from ckpt.service.auth.service import Principal, require_admin, require_read, re
 from ckpt.service.context import Context
 from ckpt.service.errors import ConflictError, NotFoundError
 from ckpt.service.lineage import AttemptNode, Node
-from ckpt.service.models import Attempt, Bundle, BundleStatus, Role, Run
+from ckpt.service.models import Attempt, Bundle, BundleStatus, Role, Rollback, Run
 from ckpt.service.runs import repository
 from ckpt.service.runs.schemas import (
     AttemptOut,
@@ -126,35 +126,16 @@ def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage
         run = _run(session, name)
         bundles = repository.lineage_bundles(session, run_id=run.id, columns=BUNDLE_FIELDS)
         nodes = {b.id: node(b) for b in bundles}
-        live = lineage.ancestry(run.head_bundle_id, nodes)
-        on_live_branch = set(live)
-        start = lineage.resumable(run.head_bundle_id, nodes)
         attempts = repository.run_attempts(session, run_id=run.id)
         steps = {b.id: b.step for b in bundles}
-        lost = lineage.steps_lost_by_attempt(attempt_node(a, steps.get) for a in attempts)
-        return Lineage(
-            run=run.name,
-            epoch=run.epoch,
-            head_id=run.head_bundle_id,
-            resumable_id=start.id if start else None,
-            live_branch=live,
-            attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
-            bundles=[LineageBundle(**b._mapping, live=b.id in on_live_branch) for b in bundles],
-            parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
-            resume_edges=[
-                ResumeEdge(bundle=a.resumed_from_id, attempt=a.id)
-                for a in attempts
-                if a.resumed_from_id is not None
-            ],
-            rollbacks=[
-                RollbackEvent(
-                    from_bundle_id=r.from_bundle_id,
-                    to_bundle_id=r.to_bundle_id,
-                    epoch=r.epoch,
-                    created_at=r.created_at,
-                )
-                for r in repository.run_rollbacks(session, run_id=run.id)
-            ],
+        return _lineage(
+            run,
+            bundles=bundles,
+            live=lineage.ancestry(run.head_bundle_id, nodes),
+            start=lineage.resumable(run.head_bundle_id, nodes),
+            attempts=attempts,
+            lost=lineage.steps_lost_by_attempt(attempt_node(a, steps.get) for a in attempts),
+            rollbacks=repository.run_rollbacks(session, run_id=run.id),
             forks=lineage.forks(nodes.values()),
         )
 
@@ -176,44 +157,69 @@ def lineage_page(
         ids = [b.id for b in bundles]
         low = ids[0] if ids else (before or 0)
         live = repository.live_branch_from(session, head_id=run.head_bundle_id, low=low)
-        live = [i for i in live if before is None or i < before]
-        on_live_branch = set(live)
-        start = lineage.resumable(run.head_bundle_id, catalog_nodes(session))
-        attempts = repository.page_attempts(
-            session,
-            run_id=run.id,
-            attempt_ids={b.attempt_id for b in bundles if b.attempt_id is not None},
-            bundle_ids=ids,
-        )
-        lost = lineage.steps_lost_by_attempt(repository.attempt_nodes(session, run_id=run.id))
         in_page = set(ids)
-        return Lineage(
-            run=run.name,
-            epoch=run.epoch,
-            head_id=run.head_bundle_id,
-            resumable_id=start.id if start else None,
-            live_branch=live,
-            attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
-            bundles=[LineageBundle(**b._mapping, live=b.id in on_live_branch) for b in bundles],
-            parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
-            resume_edges=[
-                ResumeEdge(bundle=a.resumed_from_id, attempt=a.id)
-                for a in attempts
-                if a.resumed_from_id is not None
-            ],
+        return _lineage(
+            run,
+            bundles=bundles,
+            live=[i for i in live if before is None or i < before],
+            start=lineage.resumable(run.head_bundle_id, catalog_nodes(session)),
+            attempts=repository.page_attempts(
+                session,
+                run_id=run.id,
+                attempt_ids={b.attempt_id for b in bundles if b.attempt_id is not None},
+                bundle_ids=ids,
+            ),
+            lost=lineage.steps_lost_by_attempt(repository.attempt_nodes(session, run_id=run.id)),
             rollbacks=[
-                RollbackEvent(
-                    from_bundle_id=r.from_bundle_id,
-                    to_bundle_id=r.to_bundle_id,
-                    epoch=r.epoch,
-                    created_at=r.created_at,
-                )
+                r
                 for r in repository.run_rollbacks(session, run_id=run.id)
                 if r.to_bundle_id in in_page or r.from_bundle_id in in_page
             ],
             forks=repository.forks_among(session, run_id=run.id, parent_ids=ids),
             next_before=ids[0] if more else None,
         )
+
+
+def _lineage(
+    run: Run,
+    *,
+    bundles: list[Row[Any]],
+    live: list[int],
+    start: Node | None,
+    attempts: list[Attempt],
+    lost: Mapping[int, int | None],
+    rollbacks: list[Rollback],
+    forks: list[int],
+    next_before: int | None = None,
+) -> Lineage:
+    """The lineage (or a page of it) from the rows it is made of."""
+    on_live_branch = set(live)
+    return Lineage(
+        run=run.name,
+        epoch=run.epoch,
+        head_id=run.head_bundle_id,
+        resumable_id=start.id if start else None,
+        live_branch=live,
+        attempts=[attempt_out(a, run, steps_lost=lost[a.id]) for a in attempts],
+        bundles=[LineageBundle(**b._mapping, live=b.id in on_live_branch) for b in bundles],
+        parent_edges=[Edge(parent=b.parent_id, child=b.id) for b in bundles if b.parent_id],
+        resume_edges=[
+            ResumeEdge(bundle=a.resumed_from_id, attempt=a.id)
+            for a in attempts
+            if a.resumed_from_id is not None
+        ],
+        rollbacks=[
+            RollbackEvent(
+                from_bundle_id=r.from_bundle_id,
+                to_bundle_id=r.to_bundle_id,
+                epoch=r.epoch,
+                created_at=r.created_at,
+            )
+            for r in rollbacks
+        ],
+        forks=forks,
+        next_before=next_before,
+    )
 
 
 # Shared with the attempts and bundles services.
