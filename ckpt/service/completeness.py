@@ -60,6 +60,9 @@ class Missing(BaseModel):
         return bool(self.layers or self.blobs)
 
 
+_NOT_FOUND = StoredBlob(size=None)
+
+
 def missing(
     *,
     world_size: int,
@@ -80,9 +83,9 @@ def missing(
     ]
     blobs = []
     for sha256, (size, parts) in sorted(_usage(recorded).items()):
-        problem = blob_problem(size, stored.get(sha256, StoredBlob(size=None)))
+        found = stored.get(sha256)
+        problem = blob_problem(size, found or _NOT_FOUND)
         if problem is not None:
-            found = stored.get(sha256)
             blobs.append(
                 BadBlob(
                     sha256=sha256,

@@ -1,14 +1,19 @@
-"""The two SQL idioms both databases spell differently: upserts and row locks."""
+"""The SQL idioms both databases spell differently: upserts, row locks and sets of values."""
 
 from __future__ import annotations
 
 import enum
+import string
 from collections.abc import Collection
 from typing import Any, TypeVar
 
-from sqlalchemy import ARRAY, ColumnElement, Select, any_, literal
+import psycopg
+from psycopg.adapt import Dumper
+from sqlalchemy import ColumnElement, Select, any_, literal
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session
+from sqlalchemy.types import UserDefinedType
 
 
 class Lock(enum.Enum):
@@ -39,10 +44,58 @@ def insert(session: Session, table: type[DeclarativeBase]) -> Any:
 
 
 def one_of(
-    session: Session, column: ColumnElement[T] | InstrumentedAttribute[T], values: Collection[T]
+    session: Session,
+    column: ColumnElement[str] | InstrumentedAttribute[str],
+    words: Collection[str],
 ) -> ColumnElement[bool]:
-    """``column IN values``: on PostgreSQL ``= ANY(array)``, one bound parameter however many
-    values (an IN list binds each: 1,000 blobs cost more to send than to look up)."""
+    """``column IN words``, for words of ASCII letters and digits (such as SHA-256 hexes):
+    on PostgreSQL ``= ANY(array)``, one bound parameter however many (an IN list binds each:
+    1,000 blobs cost more to send than to look up), written as one array literal (psycopg's
+    own list dumper quotes element by element: 2.7 ms more per 1,000)."""
     if session.get_bind().dialect.name == "postgresql":
-        return column == any_(literal(list(values), ARRAY(column.type)))
-    return column.in_(list(values))
+        return column == any_(literal(_Words(words), _WordArray()))
+    return column.in_(list(words))
+
+
+class _Words:
+    """Words of ASCII letters and digits as an array literal, which they need neither
+    quoted nor escaped in (checked with bytes methods: a regular expression, or
+    ``str.isalnum``, took longer than the quoting it saves)."""
+
+    __slots__ = ("literal",)
+    _PLAIN = (string.ascii_letters + string.digits + ",").encode()
+
+    def __init__(self, words: Collection[str]) -> None:
+        listed = list(words)
+        joined = ",".join(listed)
+        encoded = joined.encode() if joined.isascii() else b"?"
+        if listed and (
+            "" in listed
+            or encoded.translate(None, self._PLAIN)
+            or encoded.count(b",") != len(listed) - 1  # a word with a comma in it
+            or b",null," in b"," + encoded.lower() + b","  # the literal's word for a NULL
+        ):
+            raise ValueError(f"not a set of plain words: {sorted(listed)[:3]}")
+        self.literal = b"{" + encoded + b"}"
+
+
+class _WordArray(UserDefinedType[_Words]):
+    """A ``varchar[]`` parameter whose value is a ``_Words``, sent as it is."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "VARCHAR[]"
+
+    def bind_processor(self, dialect: Dialect) -> None:
+        return None
+
+
+class _WordsDumper(Dumper):
+    oid = psycopg.adapters.types["varchar"].array_oid
+
+    def dump(self, obj: _Words) -> bytes:
+        return obj.literal
+
+
+psycopg.adapters.register_dumper(_Words, _WordsDumper)

@@ -17,9 +17,10 @@ the bundle was opened (``isolation.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -39,6 +40,7 @@ from ckpt.service.errors import ConflictError, IncompleteError, StoreUnavailable
 from ckpt.service.events import service as events
 from ckpt.service.events.schemas import Action
 from ckpt.service.models import Attempt, Bundle, BundleStatus, Run, utcnow
+from ckpt.service.models import Layer as LayerRow
 from ckpt.service.runs.service import catalog_nodes, node
 from ckpt.service.sql import Lock
 
@@ -91,6 +93,7 @@ class _Plan:
     """What a commit must check: the recorded layers and the blobs they reference."""
 
     records: dict[tuple[int, Layer], LayerRecord]
+    recorded: dict[tuple[int, str], Any]  # the records as stored: compared under the lock
     sizes: dict[str, int]  # every referenced blob
     verified: frozenset[str]  # those the service found whole before, and not damaged since
     damaged: frozenset[str]  # those found damaged and not found whole since
@@ -99,7 +102,11 @@ class _Plan:
 
 
 def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -> _Plan:
-    records = _records(session, bundle)
+    recorded = _recorded(repository.layers_of(session, bundle_id=bundle.id))
+    records = {
+        (rank, Layer(layer)): LayerRecord.model_validate(record)
+        for (rank, layer), record in recorded.items()
+    }
     sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
     known = repository.blob_health(session, shas=sizes)
     verified = frozenset(sha for sha, blob in known.items() if damage.trusted(blob))
@@ -111,6 +118,7 @@ def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -
     )
     return _Plan(
         records=records,
+        recorded=recorded,
         sizes=sizes,
         verified=verified,
         damaged=damaged,
@@ -119,11 +127,8 @@ def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -
     )
 
 
-def _records(session: Session, bundle: Bundle) -> dict[tuple[int, Layer], LayerRecord]:
-    return {
-        (row.rank, Layer(row.layer)): LayerRecord.model_validate(row.record)
-        for row in repository.layers_of(session, bundle_id=bundle.id)
-    }
+def _recorded(rows: Iterable[LayerRow]) -> dict[tuple[int, str], Any]:
+    return {(row.rank, row.layer): row.record for row in rows}
 
 
 def _mark_damage_found(
@@ -178,7 +183,8 @@ def _finish_commit(
         if bundle.status == BundleStatus.COMPLETE:
             return _committed(session, bundle, run)
         _check_pending(bundle)
-        if _records(session, bundle) != plan.records:
+        layers = repository.layers_of(session, bundle_id=bundle.id)
+        if _recorded(layers) != plan.recorded:
             return None
         # The blobs' rows stay locked until the bundle is complete: a blob found damaged
         # meanwhile waits, then quarantines it; one found damaged since the store was read
@@ -206,7 +212,7 @@ def _finish_commit(
             manifest=manifest,
             actor=principal.actor,
         )
-        return _committed(session, bundle, run)
+        return _committed(session, bundle, run, layers=layers, manifest=manifest)
 
 
 def _check_complete(
@@ -269,8 +275,18 @@ def _complete(
     log.info("run %s: bundle %d (step %d) complete", run.name, bundle.id, bundle.step)
 
 
-def _committed(session: Session, bundle: Bundle, run: Run) -> Committed:
-    return Committed(bundle=bundle_out(session, bundle, run), head_id=run.head_bundle_id)
+def _committed(
+    session: Session,
+    bundle: Bundle,
+    run: Run,
+    *,
+    layers: Sequence[LayerRow] | None = None,
+    manifest: Manifest | None = None,
+) -> Committed:
+    return Committed(
+        bundle=bundle_out(session, bundle, run, layers=layers, manifest=manifest),
+        head_id=run.head_bundle_id,
+    )
 
 
 def _manifest(

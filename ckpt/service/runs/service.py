@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Row
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, load_only
 
 from ckpt.core.contract import Manifest
 from ckpt.service import lineage
@@ -225,6 +225,9 @@ def _lineage(
 # Shared with the attempts and bundles services.
 
 
+_NODE_COLUMNS = (Bundle.step, Bundle.status, Bundle.parent_id, Bundle.attempt_id)
+
+
 def node(bundle: Bundle | Row[Any]) -> Node:
     return Node(
         id=bundle.id,
@@ -235,20 +238,23 @@ def node(bundle: Bundle | Row[Any]) -> Node:
     )
 
 
-def catalog_nodes(session: Session) -> Callable[[int], Node | None]:
+def catalog_nodes(session: Session, *, whole: bool = False) -> Callable[[int], Node | None]:
     """Look bundles up one by one (the session caches them): walks from the head read only
-    the bundles they pass, not the whole run."""
+    the bundles they pass, not the whole run, and of those only what a node holds unless
+    ``whole`` (not the manifest: a commit of 1,000 blobs spent 13% of its time decoding the
+    head's)."""
+    options = [] if whole else [load_only(*_NODE_COLUMNS)]
 
     def lookup(bundle_id: int) -> Node | None:
-        bundle = session.get(Bundle, bundle_id)
+        bundle = session.get(Bundle, bundle_id, options=options)
         return node(bundle) if bundle else None
 
     return lookup
 
 
 def resumable_bundle(session: Session, run: Run) -> Bundle | None:
-    """The newest complete bundle of the run's live branch."""
-    found = lineage.resumable(run.head_bundle_id, catalog_nodes(session))
+    """The newest complete bundle of the run's live branch (the walk loads it whole)."""
+    found = lineage.resumable(run.head_bundle_id, catalog_nodes(session, whole=True))
     return session.get(Bundle, found.id) if found else None
 
 
