@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 
 from ckpt.agent.client import ControlPlane, Registration
+from ckpt.agent.notices import Notice
 from ckpt.agent.ranks import Ranks
 from ckpt.core.errors import CkptError, FencedError
 
@@ -52,16 +53,29 @@ class Attempt:
         self._heartbeats: threading.Thread | None = None
         self._end_lock = threading.Lock()
         self._ended = False
+        self._early_notice: tuple[Notice, int] | None = None
+        self.interval: tuple[float, float | None] | None = None  # sent with each heartbeat
 
     def register(self, *, resume: bool) -> Registration:
         """Register a new attempt (fencing every older one); heartbeats start with the first."""
         registration = self._ranks.from_first(
             lambda: self._control.register(
-                self._run, pod=pod_name(), node=os.environ.get("CKPT_NODE"), resume=resume
+                self._run,
+                pod=pod_name(),
+                node=os.environ.get("CKPT_NODE"),
+                pool=os.environ.get("CKPT_POOL"),
+                resume=resume,
             ),
             timeout=self._control.retry_seconds,
         )
-        self.registration = registration
+        with self._end_lock:
+            self.registration = registration
+            early, self._early_notice = self._early_notice, None
+        if early is not None:
+            try:
+                self._control.notice(registration.attempt_id, notice=early[0], step=early[1])
+            except CkptError as err:
+                log.warning("run %s: could not record the notice: %s", self._run, err)
         log.info(
             "run %s: registered attempt %d (epoch %d) with %s",
             self._run,
@@ -108,6 +122,16 @@ class Attempt:
                 patience=patience,
             )
 
+    def notice(self, notice: Notice, *, step: int) -> None:
+        """Record a cloud's notice of a coming preemption on the attempt (from any rank: the
+        first one is kept); one read before the attempt registers is recorded then."""
+        with self._end_lock:
+            registration = self.registration
+            if registration is None:
+                self._early_notice = (notice, step)
+                return
+        self._control.notice(registration.attempt_id, notice=notice, step=step)
+
     def stop(self) -> None:
         """Stop the heartbeats without reporting an end."""
         self._stopping.set()
@@ -123,6 +147,7 @@ class Attempt:
                     step=self._step(),
                     rank=self._ranks.rank,
                     patience=self._heartbeat_seconds,
+                    interval=self.interval,
                 )
             except FencedError as err:
                 log.error("run %s: %s; heartbeats stop", self._run, err)

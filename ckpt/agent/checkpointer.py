@@ -28,7 +28,9 @@ from ckpt.agent.catalog import open_catalog
 from ckpt.agent.config import Config, InFlight
 from ckpt.agent.counters import Counters
 from ckpt.agent.epochs import Epochs
+from ckpt.agent.interval import AutoInterval
 from ckpt.agent.manifests import bundle_name
+from ckpt.agent.notices import Notice, NoticeWatch
 from ckpt.agent.objects import Generator, gather, replicated_layers
 from ckpt.agent.persist import PendingSave, Persister, SaveResult
 from ckpt.agent.policy import Position, SavePolicy
@@ -39,6 +41,7 @@ from ckpt.agent.staging import StagingArea
 from ckpt.agent.stateful import Stateful
 from ckpt.agent.summary import announce
 from ckpt.core.contract import RESTORE_ORDER, Layer
+from ckpt.core.errors import CkptError
 from ckpt.core.storage import ObjectStore, open_store
 
 __all__ = ["Checkpointer"]
@@ -93,6 +96,10 @@ class Checkpointer:
         token: str | None = None,
         every_steps: int | None = None,
         every_seconds: float | None = None,
+        every: str | None = None,
+        auto_min_seconds: float | None = None,
+        auto_max_seconds: float | None = None,
+        mtbf_seconds: float | None = None,
         blob_bytes: int | None = None,
         in_flight: InFlight | str | None = None,
         skip_unchanged: bool | None = None,
@@ -103,6 +110,9 @@ class Checkpointer:
         heartbeat_seconds: float | None = None,
         quiet: bool | None = None,
         rank_timeout_seconds: float | None = None,
+        notices: str | Iterable[str] | None = None,
+        notice_poll_seconds: float | None = None,
+        metadata_url: str | None = None,
     ) -> None:
         store_url = store if store is None or isinstance(store, str) else store.url
         self.config = Config.resolve(
@@ -113,6 +123,10 @@ class Checkpointer:
                 "token": token,
                 "every_steps": every_steps,
                 "every_seconds": every_seconds,
+                "every": every,
+                "auto_min_seconds": auto_min_seconds,
+                "auto_max_seconds": auto_max_seconds,
+                "mtbf_seconds": mtbf_seconds,
                 "blob_bytes": blob_bytes,
                 "in_flight": in_flight,
                 "skip_unchanged": skip_unchanged,
@@ -123,6 +137,11 @@ class Checkpointer:
                 "heartbeat_seconds": heartbeat_seconds,
                 "quiet": quiet,
                 "rank_timeout_seconds": rank_timeout_seconds,
+                "notices": notices
+                if notices is None or isinstance(notices, str)
+                else tuple(notices),
+                "notice_poll_seconds": notice_poll_seconds,
+                "metadata_url": metadata_url,
             }
         )
         self.store: ObjectStore = (
@@ -181,6 +200,25 @@ class Checkpointer:
         self._last_saved: Position | None = None
         self._last_save_time = time.monotonic()
         self._epochs = Epochs(self.objects.data, self.counters)
+        self._notices = NoticeWatch(
+            config.notices,
+            poll_seconds=config.notice_poll_seconds,
+            url=config.metadata_url,
+            on_notice=self._noticed,
+        )
+        if config.notices:
+            self._notices.start()
+        self._auto = (
+            AutoInterval(
+                run=config.run,
+                low=config.auto_min_seconds,
+                high=config.auto_max_seconds,
+                mtbf_seconds=config.mtbf_seconds,
+                estimate=self._catalog.preemption_rate,
+            )
+            if config.every == "auto"
+            else None
+        )
 
     @property
     def counters(self) -> Counters:
@@ -290,16 +328,29 @@ class Checkpointer:
         ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
         seconds = time.monotonic() - self._last_save_time
+        if self._auto is not None and self.rank == 0:  # rank 0 times auto saves for all
+            self.policy = SavePolicy(every_seconds=self._auto.current())
         due = self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds)
         # Every rank decides alike: a signal that reached one rank, a save due by one
-        # rank's clock, stop or save all of them at this same boundary.
-        stop, due = self.ranks.any_rank(self._preemption.requested, due, timeout=MEET_SECONDS)
+        # rank's clock or a cloud's notice read on one rank's node, stop or save all of them
+        # at this same boundary.
+        stop, due, noticed = self.ranks.any_rank(
+            self._preemption.requested,
+            due,
+            self._notices.take() is not None,
+            timeout=MEET_SECONDS,
+        )
         if stop:
             self._preemption.act()
+        if noticed and self._position() != self._last_saved:
+            log.warning(
+                "run %s: saving at %s after a preemption notice", self.config.run, self._position()
+            )
+            due = True
         if not due:
             return None
         ready = self._persister.ready(
-            skip=self.config.in_flight is InFlight.SKIP,
+            skip=self.config.in_flight is InFlight.SKIP and not noticed,
             unreachable=self._catalog.unreachable,
             due_at=self._position(),
         )
@@ -355,10 +406,16 @@ class Checkpointer:
             self._last_saved = position
             self._last_save_time = time.monotonic()
             stall = time.perf_counter() - started
-            return self._persister.submit(states, staged, step=step, stall=stall, position=position)
+            pending = self._persister.submit(
+                states, staged, step=step, stall=stall, position=position
+            )
         except BaseException:
             staged.abandon()
             raise
+        if self._auto is not None:
+            self._auto.measured(stall)
+            self._catalog.interval(self._auto.seconds, self._auto.waste_seconds_per_hour())
+        return pending
 
     def wait(self) -> SaveResult | None:
         """Block until the save in flight (if any) is durable.
@@ -395,6 +452,13 @@ class Checkpointer:
         finally:
             self._end(reason, final_save_committed=final_save_committed, patience=None)
 
+    def _noticed(self, notice: Notice) -> None:
+        """A cloud's notice (on the watcher's thread): the attempt records it."""
+        try:
+            self._catalog.notice(notice, step=self.counters.step)
+        except CkptError as err:
+            log.warning("run %s: could not record the notice: %s", self.config.run, err)
+
     def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
         self._catalog.end(
             reason,
@@ -415,6 +479,7 @@ class Checkpointer:
         finally:
             for hook in self._step_hooks:
                 hook.remove()
+            self._notices.stop()
             self._preemption.close()
             self._persister.close()
             self._catalog.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from ckpt.agent.notices import Notice
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures, Versions
 from ckpt.core.errors import ControlPlaneError, FencedError
 
@@ -78,11 +79,10 @@ class ControlPlane:
         return self._failing_since is not None
 
     def register(
-        self, run: str, *, pod: str | None, node: str | None, resume: bool
+        self, run: str, *, pod: str | None, node: str | None, resume: bool, pool: str | None = None
     ) -> Registration:
-        body = self._call(
-            "POST", f"/v1/runs/{run}/attempts", {"pod": pod, "node": node, "resume": resume}
-        )
+        request = {"pod": pod, "node": node, "resume": resume}
+        body = self._call("POST", f"/v1/runs/{run}/attempts", request | {"pool": pool})
         start = body["resume_from"]
         return Registration(
             attempt_id=body["attempt_id"],
@@ -169,13 +169,31 @@ class ControlPlane:
         body = {"reason": _printable(reason)[:2000] or "failed verification", "blob": blob}
         self._call("POST", f"/v1/bundles/{bundle_id}/quarantine", body | {"epoch": epoch})
 
-    def heartbeat(self, attempt_id: int, *, step: int, rank: int, patience: float) -> None:
-        self._call(
-            "POST",
-            f"/v1/attempts/{attempt_id}/heartbeat",
-            {"step": step, "rank": rank},
-            patience=patience,
-        )
+    def heartbeat(
+        self,
+        attempt_id: int,
+        *,
+        step: int,
+        rank: int,
+        patience: float,
+        interval: tuple[float, float | None] | None = None,
+    ) -> None:
+        """``interval``: the save interval ``every="auto"`` chose and the waste per hour it
+        expects there."""
+        body: dict[str, Any] = {"step": step, "rank": rank}
+        if interval is not None:
+            body |= {"interval_seconds": interval[0], "waste_seconds_per_hour": interval[1]}
+        self._call("POST", f"/v1/attempts/{attempt_id}/heartbeat", body, patience=patience)
+
+    def preemption_rate(self, run: str) -> float:
+        """The control plane's mean time between preemptions for the run, in seconds."""
+        return float(self._call("GET", f"/v1/runs/{run}/preemption-rate")["mtbf_seconds"])
+
+    def notice(self, attempt_id: int, *, notice: Notice, step: int) -> None:
+        body = {"cloud": notice.cloud, "kind": notice.kind, "step": step}
+        if notice.detail:
+            body["detail"] = _printable(notice.detail)[:200]
+        self._call("POST", f"/v1/attempts/{attempt_id}/notice", body)
 
     def end(
         self,

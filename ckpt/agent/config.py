@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from ckpt.agent.format.chunking import DEFAULT_BLOB_BYTES
+from ckpt.agent.notices import CLOUDS
 from ckpt.core.storage.keys import check_run_name
 
 DEFAULT_STORE = ".ckpt/store"
@@ -24,6 +25,10 @@ ENV = {
     "token": "CKPT_TOKEN",
     "every_steps": "CKPT_EVERY_STEPS",
     "every_seconds": "CKPT_EVERY_SECONDS",
+    "every": "CKPT_EVERY",
+    "auto_min_seconds": "CKPT_AUTO_MIN_SECONDS",
+    "auto_max_seconds": "CKPT_AUTO_MAX_SECONDS",
+    "mtbf_seconds": "CKPT_MTBF_SECONDS",
     "blob_bytes": "CKPT_BLOB_BYTES",
     "in_flight": "CKPT_IN_FLIGHT",
     "skip_unchanged": "CKPT_SKIP_UNCHANGED",
@@ -34,6 +39,9 @@ ENV = {
     "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
     "quiet": "CKPT_QUIET",
     "rank_timeout_seconds": "CKPT_RANK_TIMEOUT_SECONDS",
+    "notices": "CKPT_NOTICES",
+    "notice_poll_seconds": "CKPT_NOTICE_POLL_SECONDS",
+    "metadata_url": "CKPT_METADATA_URL",
     "from_run": "CKPT_FROM_RUN",
     "from_step": "CKPT_FROM_STEP",
 }
@@ -59,6 +67,13 @@ class Config:
             server's ``.ckpt/admin-token`` file, where there is one).
         every_steps: save when the optimizer step reaches a multiple of this (``CKPT_EVERY_STEPS``).
         every_seconds: save when this long has passed since the last save (``CKPT_EVERY_SECONDS``).
+        every: ``"auto"`` (``CKPT_EVERY=auto``): save at the interval that wastes least,
+            ``sqrt(2 · cost of a save · mean time between preemptions)``, re-evaluated as both
+            change (``ckpt.agent.interval``); instead of ``every_steps`` and ``every_seconds``.
+        auto_min_seconds, auto_max_seconds: the bounds of that interval
+            (``CKPT_AUTO_MIN_SECONDS``, default 60; ``CKPT_AUTO_MAX_SECONDS``, default 21600).
+        mtbf_seconds: the mean time between preemptions to size it by, instead of the
+            control plane's estimate (``CKPT_MTBF_SECONDS``; store-only, default 4 h).
         blob_bytes: the largest blob a payload is cut into (``CKPT_BLOB_BYTES``, default 64 MiB).
         in_flight: ``wait`` (default) or ``skip``: what a save does while the previous one
             is still persisting (``CKPT_IN_FLIGHT``).
@@ -81,6 +96,15 @@ class Config:
         rank_timeout_seconds: how long the ranks of a job wait for each other at a meeting
             (the step of a save, the commit) before the save fails: a rank that died
             (``CKPT_RANK_TIMEOUT_SECONDS``, default 300).
+        notices: the clouds whose notices of a coming preemption to watch for, of ``aws``,
+            ``gcp``, ``azure`` (``CKPT_NOTICES``, comma-separated; default none): a notice
+            saves at the next step boundary and is recorded on the attempt (see
+            ``ckpt.agent.notices``).
+        notice_poll_seconds: how often the metadata service is read for them
+            (``CKPT_NOTICE_POLL_SECONDS``, default 5).
+        metadata_url: the metadata service's address, for every cloud in ``notices``
+            (``CKPT_METADATA_URL``; default: each cloud's own, such as
+            ``http://169.254.169.254``).
         from_run, from_step: start a new run from another run's bundle (``CKPT_FROM_RUN``,
             ``CKPT_FROM_STEP``; the step defaults to that run's resumable bundle): ``resume()``
             takes it while this run has no resumable bundle of its own, and this run's own
@@ -93,6 +117,10 @@ class Config:
     token: str | None = None
     every_steps: int | None = None
     every_seconds: float | None = None
+    every: str | None = None
+    auto_min_seconds: float = 60.0
+    auto_max_seconds: float = 6 * 3600.0
+    mtbf_seconds: float | None = None
     blob_bytes: int = DEFAULT_BLOB_BYTES
     in_flight: InFlight = InFlight.WAIT
     skip_unchanged: bool = True
@@ -103,6 +131,9 @@ class Config:
     heartbeat_seconds: float = 10.0
     quiet: bool = False
     rank_timeout_seconds: float = 300.0
+    notices: tuple[str, ...] = ()
+    notice_poll_seconds: float = 5.0
+    metadata_url: str | None = None
     from_run: str | None = None
     from_step: int | None = None
 
@@ -121,9 +152,17 @@ class Config:
             self.every_seconds > 0 and math.isfinite(self.every_seconds)
         ):
             raise ValueError(f"every_seconds must be a positive number, got {self.every_seconds}")
-        for name in ("grace_seconds", "heartbeat_seconds", "rank_timeout_seconds"):
+        self._check_notices()
+        self._check_every()
+        for name in (
+            "mtbf_seconds",
+            "grace_seconds",
+            "heartbeat_seconds",
+            "rank_timeout_seconds",
+            "notice_poll_seconds",
+        ):
             value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
+            if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if self.staging_bytes is not None and self.staging_bytes < 0:
             raise ValueError(f"staging_bytes must be 0 or more, got {self.staging_bytes}")
@@ -138,6 +177,33 @@ class Config:
             ) from None
         if self.server is not None and urlparse(self.server).scheme not in ("http", "https"):
             raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
+
+    def _check_notices(self) -> None:
+        clouds = self.notices.split(",") if isinstance(self.notices, str) else self.notices
+        clouds = tuple(dict.fromkeys(c.strip().lower() for c in clouds if c.strip()))
+        if unknown := [cloud for cloud in clouds if cloud not in CLOUDS]:
+            raise ValueError(
+                f"notices (CKPT_NOTICES) names unknown clouds {unknown}: use {', '.join(CLOUDS)}"
+            )
+        object.__setattr__(self, "notices", clouds)
+        if self.metadata_url is not None and urlparse(self.metadata_url).scheme != "http":
+            raise ValueError(f"metadata_url must be an http URL, got {self.metadata_url!r}")
+
+    def _check_every(self) -> None:
+        if self.every is not None:
+            if str(self.every).strip().lower() != "auto":
+                raise ValueError(f"every (CKPT_EVERY) must be 'auto', got {self.every!r}")
+            object.__setattr__(self, "every", "auto")
+            if self.every_steps is not None or self.every_seconds is not None:
+                raise ValueError(
+                    "every='auto' (CKPT_EVERY) chooses the interval itself: leave out "
+                    "every_steps and every_seconds (CKPT_EVERY_STEPS, CKPT_EVERY_SECONDS)"
+                )
+        if not 0 < self.auto_min_seconds <= self.auto_max_seconds < math.inf:
+            raise ValueError(
+                "auto_min_seconds and auto_max_seconds must be positive with min <= max, got "
+                f"{self.auto_min_seconds} and {self.auto_max_seconds}"
+            )
 
     @classmethod
     def resolve(
@@ -161,7 +227,16 @@ def _parse(name: str, variable: str, text: str) -> object:
     try:
         if name in ("every_steps", "blob_bytes", "from_step", "staging_bytes"):
             return int(text)
-        if name in ("every_seconds", "grace_seconds", "heartbeat_seconds", "rank_timeout_seconds"):
+        if name in (
+            "auto_min_seconds",
+            "auto_max_seconds",
+            "mtbf_seconds",
+            "every_seconds",
+            "grace_seconds",
+            "heartbeat_seconds",
+            "rank_timeout_seconds",
+            "notice_poll_seconds",
+        ):
             return float(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a number") from None

@@ -37,6 +37,12 @@ class Metrics:
             "attempts marked lost: no heartbeat for CKPT_LOST_AFTER_SECONDS",
             registry=self.registry,
         )
+        self.notices = Counter(
+            "ckpt_preemption_notices",
+            "clouds' notices of a coming preemption that attempts reported",
+            ["cloud", "kind"],
+            registry=self.registry,
+        )
         self.steps_lost = Counter(
             "ckpt_steps_lost",
             "steps that ended attempts had trained past the bundle their successor resumed from",

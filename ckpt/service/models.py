@@ -157,6 +157,8 @@ class Attempt(Base):
     __tablename__ = "attempt"
     __table_args__ = (
         UniqueConstraint("run_id", "epoch"),
+        # A pool's newest attempts, for its mean time between preemptions.
+        Index("ix_attempt_pool_id", "pool", "id"),
         CheckConstraint(_choices("end_reason", EndReason), name="end_reason"),
     )
 
@@ -174,6 +176,16 @@ class Attempt(Base):
     resumed_from_id: Mapped[int | None] = mapped_column(
         ForeignKey("bundle.id", use_alter=True, ondelete="SET NULL")
     )
+    # The first notice of a coming preemption the attempt read from its cloud (its time,
+    # and "aws instance-action: terminate at ...").
+    notice_at: Mapped[datetime | None]
+    notice: Mapped[str | None] = mapped_column(String(300))
+    # The capacity pool it ran on (CKPT_POOL: "aws/us-east-1/p5.48xlarge"), whose history
+    # of preemptions its run's save interval learns from; and, with CKPT_EVERY=auto, the
+    # interval its agent chose and the waste per hour it expects there.
+    pool: Mapped[str | None] = mapped_column(String(253))
+    interval_seconds: Mapped[float | None] = mapped_column(Float)
+    waste_seconds_per_hour: Mapped[float | None] = mapped_column(Float)
 
 
 class AttemptRank(Base):

@@ -51,6 +51,9 @@ class Settings:
         keep_last, keep_every: the retention policy of runs that set none (``CKPT_KEEP_LAST``,
             ``CKPT_KEEP_EVERY``); unset keeps every complete bundle.
         max_body_bytes: larger request bodies get 413 (``CKPT_MAX_BODY_BYTES``, default 16 MiB).
+        mtbf_prior_seconds: the mean time between preemptions assumed of a capacity pool
+            with no history (``CKPT_MTBF_PRIOR_SECONDS``, default 4 h), worth one preemption
+            of evidence: history outweighs it as it grows (``ckpt.core.interval``).
         lost_after_seconds: an attempt that has not ended and sent no heartbeat for this long
             (since it registered, if it never did) is marked lost (``CKPT_LOST_AFTER_SECONDS``,
             default 60; agents heartbeat every 10 s). The server checks every
@@ -85,6 +88,7 @@ class Settings:
     keep_every: int | None = None
     max_body_bytes: int = 16 << 20
     lost_after_seconds: float = 60.0
+    mtbf_prior_seconds: float = 4 * 3600.0
     max_step_advance: int = 10_000_000
     rate_limit_per_second: float = 200.0
     rate_limit_burst: int = 5000
@@ -104,6 +108,11 @@ class Settings:
         if not (rate >= 0 and math.isfinite(rate)):
             raise ValueError(
                 f"scrub_bytes_per_second must be a number >= 0 (0: no limit), got {rate}"
+            )
+        if not (self.mtbf_prior_seconds > 0 and math.isfinite(self.mtbf_prior_seconds)):
+            raise ValueError(
+                f"mtbf_prior_seconds must be a positive number of seconds, got "
+                f"{self.mtbf_prior_seconds}"
             )
         if not (self.lost_after_seconds > 0 and math.isfinite(self.lost_after_seconds)):
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from ckpt.agent.notices import Notice
 from ckpt.agent.upload import HeldBlobs
 from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
 
@@ -53,6 +54,23 @@ class Catalog(Protocol):
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
         """Record how this attempt ended (once; later calls do nothing)."""
+        ...
+
+    def notice(self, notice: Notice, *, step: int) -> None:
+        """Record on this attempt a cloud's notice of a coming preemption."""
+        ...
+
+    def preemption_rate(self) -> float | None:
+        """The mean time between preemptions the catalog estimates for this run; None when
+        it keeps no attempts.
+
+        Raises:
+            CkptError: it could not be asked.
+        """
+        ...
+
+    def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
+        """Keep the save interval ``every="auto"`` chose, and what it expects to lose."""
         ...
 
     def unreachable(self) -> bool:

@@ -16,6 +16,7 @@ from ckpt.agent.attempt import Attempt
 from ckpt.agent.catalog.base import Upload
 from ckpt.agent.client import ControlPlane, IncompleteCommitError, IntactBlobError, Registration
 from ckpt.agent.manifests import versions
+from ckpt.agent.notices import Notice
 from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
 from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
@@ -199,6 +200,15 @@ class ControlPlaneCatalog:
         self.attempt.end(
             reason, final_save_committed=final_save_committed, step=step, patience=patience
         )
+
+    def notice(self, notice: Notice, *, step: int) -> None:
+        self.attempt.notice(notice, step=step)
+
+    def preemption_rate(self) -> float | None:
+        return self.control.preemption_rate(self._run)
+
+    def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
+        self.attempt.interval = (seconds, waste_seconds_per_hour)
 
     def unreachable(self) -> bool:
         return self.control.unreachable

@@ -15,6 +15,7 @@ import torch
 
 from ckpt.agent.catalog.base import Upload
 from ckpt.agent.manifests import latest_manifest, write_manifest
+from ckpt.agent.notices import Notice
 from ckpt.agent.ranks import MEET_SECONDS, Ranks
 from ckpt.agent.upload import HeldBlobs
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, RankRecord, SaveFigures
@@ -114,6 +115,15 @@ class StoreCatalog:
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
         return None  # no attempts without a control plane
+
+    def notice(self, notice: Notice, *, step: int) -> None:
+        return None  # logged; no attempts without a control plane
+
+    def preemption_rate(self) -> float | None:
+        return None  # no attempts without a control plane
+
+    def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
+        return None  # logged
 
     def unreachable(self) -> bool:
         return False  # the store's own failures fail the save; there is nothing to wait out

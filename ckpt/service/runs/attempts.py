@@ -19,6 +19,7 @@ from ckpt.service.runs import repository
 from ckpt.service.runs.schemas import (
     AttemptCreate,
     AttemptEnd,
+    AttemptNotice,
     AttemptOut,
     AttemptRegistered,
     Heartbeat,
@@ -45,6 +46,7 @@ def register_attempt(
             run=run,
             pod=request.pod,
             node=request.node,
+            pool=request.pool,
             resumed_from_id=start.id if start else None,
         )
         repository.refresh_activity(session, run_ids=[run.id])
@@ -79,6 +81,9 @@ def heartbeat(
         )
         if beat.step is not None:
             attempt.last_step = beat.step
+        if beat.interval_seconds is not None:
+            attempt.interval_seconds = beat.interval_seconds
+            attempt.waste_seconds_per_hour = beat.waste_seconds_per_hour
         silent_since = attempt.heartbeat_at - timedelta(seconds=context.settings.lost_after_seconds)
         if attempt.end_reason == EndReason.LOST and not repository.rank_silent(
             session, attempt_id=attempt.id, silent_since=silent_since
@@ -113,6 +118,33 @@ def end_attempt(
         repository.refresh_activity(session, run_ids=[run.id])
         _count_steps_lost(context.metrics, before=before, after=after)
         return attempt_out(attempt, run, steps_lost=after)
+
+
+def notice(
+    context: Context, principal: Principal, *, attempt_id: int, notice: AttemptNotice
+) -> AttemptOut:
+    """Record the first notice of a coming preemption the attempt read (accepted after the
+    attempt was fenced or ended too: it is history); a later one is logged, not kept."""
+    text = f"{notice.cloud} {notice.kind}" + (f": {notice.detail}" if notice.detail else "")
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if notice.step is not None and attempt.ended_at is None:
+            _check_advance(session, attempt, notice.step, limit=context.settings.max_step_advance)
+            attempt.last_step = max(attempt.last_step or 0, notice.step)
+        first = attempt.notice_at is None
+        if first:
+            attempt.notice_at, attempt.notice = utcnow(), text
+            context.metrics.notices.labels(cloud=notice.cloud, kind=notice.kind).inc()
+        out = attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
+    log.warning(
+        "run %s: attempt %d (epoch %d) reports %s notice: %s",
+        run.name,
+        attempt.id,
+        attempt.epoch,
+        "a" if first else "another",
+        text,
+    )
+    return out
 
 
 def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:

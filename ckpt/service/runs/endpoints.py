@@ -14,14 +14,16 @@ from ckpt.service.errors import (
     responses,
 )
 from ckpt.service.names import PRINTABLE
-from ckpt.service.runs import attempts, service
+from ckpt.service.runs import attempts, mtbf, service
 from ckpt.service.runs.schemas import (
     AttemptCreate,
     AttemptEnd,
+    AttemptNotice,
     AttemptOut,
     AttemptRegistered,
     Heartbeat,
     Lineage,
+    PreemptionRate,
     ResumePoint,
     RollbackOut,
     RollbackRequest,
@@ -96,6 +98,16 @@ def heartbeat(
     return attempts.heartbeat(context, principal, attempt_id=attempt, beat=beat)
 
 
+@router.post("/attempts/{attempt}/notice", responses=responses(*ONE))
+def notice(
+    attempt: IdPath, notice: AttemptNotice, principal: PrincipalDep, context: ContextDep
+) -> AttemptOut:
+    """Record that the attempt read a cloud's notice of a coming preemption (AWS spot
+    instance-action or rebalance recommendation, GCP preemption or maintenance, Azure
+    Preempt event): the attempt shows the first one and when it came."""
+    return attempts.notice(context, principal, attempt_id=attempt, notice=notice)
+
+
 @router.post("/attempts/{attempt}/end", responses=responses(*ONE, ConflictError))
 def end_attempt(
     attempt: IdPath, end: AttemptEnd, principal: PrincipalDep, context: ContextDep
@@ -128,6 +140,19 @@ def lineage(
     if limit is None and before is None:
         return service.get_lineage(context, principal, name=run)
     return service.lineage_page(context, principal, name=run, limit=limit or 1000, before=before)
+
+
+@router.get("/runs/{run}/preemption-rate", responses=responses(*ONE))
+def preemption_rate(
+    run: RunPath,
+    principal: PrincipalDep,
+    context: ContextDep,
+    pool: Annotated[str | None, Query(max_length=253, pattern=PRINTABLE)] = None,
+) -> PreemptionRate:
+    """The run's mean time between preemptions, from its attempts and those of its
+    capacity pool (its newest attempt's, or ``pool``): what ``CKPT_EVERY=auto`` sizes the
+    save interval by."""
+    return mtbf.preemption_rate(context, principal, name=run, pool=pool)
 
 
 @router.post("/runs/{run}/rollback", responses=responses(*ONE, ConflictError))

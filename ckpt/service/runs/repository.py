@@ -302,6 +302,7 @@ def add_attempt(
     run: Run,
     pod: str | None,
     node: str | None,
+    pool: str | None = None,
     resumed_from_id: int | None,
 ) -> Attempt:
     attempt = Attempt(
@@ -309,6 +310,7 @@ def add_attempt(
         epoch=run.epoch,
         pod=pod,
         node=node,
+        pool=pool,
         started_at=utcnow(),
         resumed_from_id=resumed_from_id,
     )

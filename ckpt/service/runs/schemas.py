@@ -66,6 +66,11 @@ class RunPage(BaseModel):
 class AttemptCreate(_Request):
     pod: Hostname | None = None
     node: Hostname | None = None
+    pool: Hostname | None = Field(
+        default=None,
+        description="the capacity pool it runs on (CKPT_POOL, e.g. aws/us-east-1/p5.48xlarge): "
+        "runs on one pool share its history of preemptions",
+    )
     resume: Annotated[bool, Field(strict=True)] = Field(
         default=True, description="false: start fresh, even where the run has a head"
     )
@@ -88,11 +93,42 @@ class AttemptRegistered(BaseModel):
     )
 
 
+Seconds = Annotated[float, Field(gt=0, le=10**9, allow_inf_nan=False)]
+
+
 class Heartbeat(_Request):
     step: Step | None = None
+    interval_seconds: Seconds | None = Field(
+        default=None, description="with CKPT_EVERY=auto: the save interval the agent chose"
+    )
+    waste_seconds_per_hour: (
+        Annotated[float, Field(ge=0, le=3600 * 10**6, allow_inf_nan=False)] | None
+    ) = Field(
+        default=None,
+        description="with it: the seconds of each hour it expects to lose there, to saves and "
+        "to work redone after preemptions",
+    )
     rank: Annotated[int, Field(ge=0, le=16383, strict=True)] = Field(
         default=0, description="the rank that beats, in a job of many ranks"
     )
+
+
+Cloud = Literal["aws", "gcp", "azure"]
+
+
+class AttemptNotice(_Request):
+    """A cloud's notice that this capacity is about to be taken away, as the agent read it
+    from the instance's metadata service."""
+
+    cloud: Cloud
+    kind: Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,39}$")] = Field(
+        description="what the cloud announced: aws instance-action or rebalance, gcp "
+        "preempted or maintenance, azure preempt (or another scheduled event, lowercased)"
+    )
+    detail: Annotated[str, Field(max_length=200, pattern=PRINTABLE)] | None = Field(
+        default=None, description="the notice in the cloud's words, e.g. 'terminate at ...'"
+    )
+    step: Step | None = None
 
 
 class AttemptEnd(_Request):
@@ -115,10 +151,40 @@ class AttemptOut(BaseModel):
     final_save_committed: bool | None
     resumed_from_id: int | None
     fenced: bool
+    notice_at: datetime | None = Field(
+        default=None, description="when the first notice of a coming preemption reached it"
+    )
+    notice: str | None = Field(
+        default=None, description="that notice: cloud, kind and the cloud's words"
+    )
+    pool: str | None = None
+    interval_seconds: float | None = Field(
+        default=None, description="the save interval its agent chose (CKPT_EVERY=auto)"
+    )
+    waste_seconds_per_hour: float | None = Field(
+        default=None, description="the seconds of each hour it expected to lose at that interval"
+    )
     steps_lost: int | None = Field(
         description="steps this attempt trained past the bundle its successor resumed from; "
         "null while it runs, has no successor, reported no step, or finished"
     )
+
+
+class HistoryOut(BaseModel):
+    name: str | None = Field(default=None, description="the pool's name")
+    exposure_seconds: float = Field(description="the attempts' time alive, summed")
+    preemptions: int = Field(description="those preempted or lost (failures do not count)")
+    mtbf_seconds: float
+
+
+class PreemptionRate(BaseModel):
+    """The run's mean time between preemptions: (exposure + prior) / (preemptions + 1), its
+    pool's estimate as the prior (the pool's own: the configured prior)."""
+
+    mtbf_seconds: float
+    prior_seconds: float = Field(description="CKPT_MTBF_PRIOR_SECONDS")
+    run: HistoryOut
+    pool: HistoryOut | None
 
 
 class RollbackRequest(_Request):

@@ -301,6 +301,11 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
         resumed_from_id=attempt.resumed_from_id,
         fenced=attempt.epoch != run.epoch,
         steps_lost=steps_lost,
+        notice_at=attempt.notice_at,
+        notice=attempt.notice,
+        pool=attempt.pool,
+        interval_seconds=attempt.interval_seconds,
+        waste_seconds_per_hour=attempt.waste_seconds_per_hour,
     )
 
 
