@@ -55,6 +55,8 @@ class Attempt:
         self._ended = False
         self._early_notice: tuple[Notice, int] | None = None
         self.interval: tuple[float, float | None] | None = None  # sent with each heartbeat
+        # Where the attempt's time went so far (ckpt.agent.goodput), sent likewise.
+        self.time: Callable[[], dict[str, float | int] | None] = lambda: None
 
     def register(self, *, resume: bool) -> Registration:
         """Register a new attempt (fencing every older one); heartbeats start with the first."""
@@ -120,6 +122,7 @@ class Attempt:
                 final_save_committed=final_save_committed,
                 step=step,
                 patience=patience,
+                time=self.time(),
             )
 
     def notice(self, notice: Notice, *, step: int) -> None:
@@ -148,6 +151,7 @@ class Attempt:
                     rank=self._ranks.rank,
                     patience=self._heartbeat_seconds,
                     interval=self.interval,
+                    time=self.time() if self._ranks.rank == 0 else None,
                 )
             except FencedError as err:
                 log.error("run %s: %s; heartbeats stop", self._run, err)

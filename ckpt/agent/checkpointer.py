@@ -28,6 +28,7 @@ from ckpt.agent.catalog import open_catalog
 from ckpt.agent.config import Config, InFlight
 from ckpt.agent.counters import Counters
 from ckpt.agent.epochs import Epochs
+from ckpt.agent.goodput import TimeAccount
 from ckpt.agent.interval import AutoInterval
 from ckpt.agent.manifests import bundle_name
 from ckpt.agent.notices import Notice, NoticeWatch
@@ -172,10 +173,11 @@ class Checkpointer:
             store=self.store, catalog=self._catalog, objects=self.objects, ranks=self.ranks
         )
         self._staging = StagingArea(budget=config.staging_bytes)
+        self.time_spent = TimeAccount()  # where this attempt's time goes (goodput)
         # Every optimizer step first waits until the last save no longer needs the tensors
         # it changes (overlapped copies, tensors read in place over the budget).
         self._step_hooks = [
-            optimizer.register_step_pre_hook(lambda *_: self._staging.before_step())
+            optimizer.register_step_pre_hook(lambda *_: self._before_step())
             for optimizer in self.objects.optimizers.values()
         ]
         self._persister = Persister(
@@ -208,6 +210,7 @@ class Checkpointer:
         )
         if config.notices:
             self._notices.start()
+        self._catalog.account(lambda: self.time_spent.figures(self.counters.step))
         self._auto = (
             AutoInterval(
                 run=config.run,
@@ -276,6 +279,7 @@ class Checkpointer:
             self.config, from_run=from_run, from_step=from_step, wanted=wanted
         )
         if manifest is None:
+            self.time_spent.ready(self.counters.step)
             announce(
                 f"ckpt: run {source}: no resumable bundle in {self.store.url}; starting fresh",
                 quiet=self.config.quiet,
@@ -285,6 +289,7 @@ class Checkpointer:
         own = source == self.config.run
         self._resumed_at(manifest.step, own=own, whole=wanted == RESTORE_ORDER)
         self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
+        self.time_spent.ready(self.counters.step)
         announce(
             f"ckpt: run {self.config.run}: resumed from {bundle_name(manifest)} at "
             f"{self._position()} (layers {', '.join(wanted)})",
@@ -327,6 +332,7 @@ class Checkpointer:
         period (else keeps the last bundle), ends the attempt as preempted, and raises
         ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
+        self.time_spent.ready(self.counters.step)  # when the loop did not resume() first
         seconds = time.monotonic() - self._last_save_time
         if self._auto is not None and self.rank == 0:  # rank 0 times auto saves for all
             self.policy = SavePolicy(every_seconds=self._auto.current())
@@ -349,14 +355,23 @@ class Checkpointer:
             due = True
         if not due:
             return None
+        waiting = time.perf_counter()
         ready = self._persister.ready(
             skip=self.config.in_flight is InFlight.SKIP and not noticed,
             unreachable=self._catalog.unreachable,
             due_at=self._position(),
         )
+        self.time_spent.stalled(time.perf_counter() - waiting)  # for the save in flight
         if not self.ranks.all_ok(ready, timeout=MEET_SECONDS):
             return None
         return self.save()
+
+    def _before_step(self) -> None:
+        """Before an optimizer step: wait until the last save no longer needs what it
+        changes (a stall too)."""
+        started = time.perf_counter()
+        self._staging.before_step()
+        self.time_spent.stalled(time.perf_counter() - started)
 
     def save(self) -> PendingSave:
         """Stage a bundle of the current state and persist it in the background.
@@ -412,6 +427,7 @@ class Checkpointer:
         except BaseException:
             staged.abandon()
             raise
+        self.time_spent.stalled(stall)
         if self._auto is not None:
             self._auto.measured(stall)
             self._catalog.interval(self._auto.seconds, self._auto.waste_seconds_per_hour())

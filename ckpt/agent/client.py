@@ -177,10 +177,13 @@ class ControlPlane:
         rank: int,
         patience: float,
         interval: tuple[float, float | None] | None = None,
+        time: dict[str, float | int] | None = None,
     ) -> None:
         """``interval``: the save interval ``every="auto"`` chose and the waste per hour it
-        expects there."""
+        expects there; ``time``: where the attempt's time went (``ckpt.agent.goodput``)."""
         body: dict[str, Any] = {"step": step, "rank": rank}
+        if time is not None:
+            body["time"] = time
         if interval is not None:
             body |= {"interval_seconds": interval[0], "waste_seconds_per_hour": interval[1]}
         self._call("POST", f"/v1/attempts/{attempt_id}/heartbeat", body, patience=patience)
@@ -203,13 +206,16 @@ class ControlPlane:
         final_save_committed: bool,
         step: int,
         patience: float | None = None,
+        time: dict[str, float | int] | None = None,
     ) -> None:
-        self._call(
-            "POST",
-            f"/v1/attempts/{attempt_id}/end",
-            {"reason": reason, "final_save_committed": final_save_committed, "step": step},
-            patience=patience,
-        )
+        body: dict[str, Any] = {
+            "reason": reason,
+            "final_save_committed": final_save_committed,
+            "step": step,
+        }
+        if time is not None:
+            body["time"] = time
+        self._call("POST", f"/v1/attempts/{attempt_id}/end", body, patience=patience)
 
     def _call(
         self,

@@ -37,6 +37,13 @@ class Metrics:
             "attempts marked lost: no heartbeat for CKPT_LOST_AFTER_SECONDS",
             registry=self.registry,
         )
+        self.attempt_seconds = Counter(
+            "ckpt_attempt_seconds",
+            "attempts' time as their agents report it, by part: restart (process start to "
+            "training), stall (waiting on saves), train, and redo (of train: steps lost)",
+            ["part"],
+            registry=self.registry,
+        )
         self.notices = Counter(
             "ckpt_preemption_notices",
             "clouds' notices of a coming preemption that attempts reported",

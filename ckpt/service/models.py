@@ -186,6 +186,11 @@ class Attempt(Base):
     pool: Mapped[str | None] = mapped_column(String(253))
     interval_seconds: Mapped[float | None] = mapped_column(Float)
     waste_seconds_per_hour: Mapped[float | None] = mapped_column(Float)
+    # Where its time went, as its agent last reported (ckpt.core.goodput).
+    restart_seconds: Mapped[float | None] = mapped_column(Float)
+    stall_seconds: Mapped[float | None] = mapped_column(Float)
+    train_seconds: Mapped[float | None] = mapped_column(Float)
+    steps_trained: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class AttemptRank(Base):

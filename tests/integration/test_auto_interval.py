@@ -1,7 +1,8 @@
 """``every="auto"`` end to end against a real ``ckpt server`` process: the agent saves once
 early to measure a save, sizes its interval by the control plane's estimate of the time
 between preemptions (with ``CKPT_MTBF_PRIOR_SECONDS`` set on the server), and its
-heartbeats show the interval and the expected waste on the attempt."""
+heartbeats show the interval and the expected waste on the attempt, with where the
+attempt's time went (goodput)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,16 @@ def test_auto_sizes_the_interval_by_the_servers_estimate_and_reports_it(tmp_path
                     mtbf_seconds=auto.mtbf_seconds,
                 )
             )
+            # And where the attempt's time went, with the same heartbeats.
+            spent = attempt["time"]
+            assert spent["restart_seconds"] > 0  # this process's start to its resume
+            assert spent["stall_seconds"] > 0  # the auto save
+            assert spent["train_seconds"] > 0
+            assert 0 < spent["goodput"] < 1
             ckpt.end()
         rate = client.get("/v1/runs/auto/preemption-rate").json()
         assert rate["pool"]["name"] == "test/pool-a"
+        goodput = client.get("/v1/runs/auto/goodput").json()
+        assert goodput["attempts"] == 1
+        assert goodput["time"]["redo_seconds"] == 0  # it finished: nothing lost
+        assert goodput["time"]["train_seconds"] >= spent["train_seconds"]  # the end reported too

@@ -105,3 +105,38 @@ def test_a_heartbeat_carries_the_interval_the_agent_chose(server: Server, run_na
         )
         bad = client.post(f"/v1/attempts/{attempt_id}/heartbeat", json={"interval_seconds": -1})
         assert bad.status_code == 422
+
+
+def test_attempts_report_their_time_and_the_run_sums_it_into_goodput(
+    server: Server, run_name: str
+) -> None:
+    with server.client() as client:
+        first = register(client, run_name)["attempt_id"]
+        time = {"restart_seconds": 20.0, "stall_seconds": 5.0, "train_seconds": 75.0}
+        beat = {"step": 40, "time": {**time, "steps_trained": 40}}
+        shown = client.post(f"/v1/attempts/{first}/heartbeat", json=beat).json()["time"]
+        assert shown == {**time, "wall_seconds": 100.0, "redo_seconds": 0.0, "goodput": 0.75}
+        # It ends preempted at step 40; its successor starts fresh (no bundle): 40 steps
+        # lost, all 75 s of its training redone.
+        end = {"reason": "preempted", "step": 40, "time": {**time, "steps_trained": 40}}
+        client.post(f"/v1/attempts/{first}/end", json=end).raise_for_status()
+        second = register(client, run_name)["attempt_id"]
+        later = {"restart_seconds": 10.0, "stall_seconds": 0.0, "train_seconds": 90.0}
+        end = {"reason": "finished", "step": 60, "time": {**later, "steps_trained": 60}}
+        client.post(f"/v1/attempts/{second}/end", json=end).raise_for_status()
+
+        goodput = client.get(f"/v1/runs/{run_name}/goodput").json()
+        assert goodput["attempts"] == 2
+        assert goodput["time"] == {
+            "wall_seconds": 200.0,
+            "restart_seconds": 30.0,
+            "stall_seconds": 5.0,
+            "train_seconds": 165.0,
+            "redo_seconds": 75.0,
+            "goodput": pytest.approx(90 / 200),
+        }
+        metrics = client.get("/metrics").text
+        for part, seconds in [("restart", 30.0), ("stall", 5.0), ("train", 165.0), ("redo", 75.0)]:
+            assert f'ckpt_attempt_seconds_total{{part="{part}"}} {seconds}' in metrics
+        bad = {"step": 1, "time": {**time, "steps_trained": -1}}
+        assert client.post(f"/v1/attempts/{second}/heartbeat", json=bad).status_code in (409, 422)

@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.agent.demo.report import ckpt_command, format_attempt, format_drill, report
+from ckpt.agent.demo.report import (
+    ckpt_command,
+    format_attempt,
+    format_drill,
+    format_goodput,
+    report,
+)
 
 
 def executable(path: Path) -> Path:
@@ -109,6 +115,18 @@ def attempt(epoch: int, reason: str | None, step: int | None, **more: Any) -> di
 )
 def test_format_attempt(row: dict[str, Any], line: str) -> None:
     assert format_attempt(row) == line
+
+
+def test_format_goodput_sums_the_attempts_that_reported() -> None:
+    def timed(restart: float, stall: float, train: float, redo: float) -> dict[str, Any]:
+        parts = {"restart": restart, "stall": stall, "train": train, "redo": redo}
+        return {"time": {f"{part}_seconds": value for part, value in parts.items()}}
+
+    rows = [timed(4, 1, 15, 5), timed(2, 1, 17, 0), {"time": None}]
+    assert format_goodput(rows) == (
+        "68% of 40.0 s trained and kept (restarts 6.0 s, saves 2.0 s, lost steps redone 5.0 s)"
+    )
+    assert format_goodput([{"time": None}]).startswith("unknown")
 
 
 def test_format_drill_says_what_happened() -> None:

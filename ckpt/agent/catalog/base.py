@@ -73,6 +73,10 @@ class Catalog(Protocol):
         """Keep the save interval ``every="auto"`` chose, and what it expects to lose."""
         ...
 
+    def account(self, figures: Callable[[], dict[str, float | int] | None]) -> None:
+        """Report ``figures()`` (where the attempt's time went) with the attempt's reports."""
+        ...
+
     def unreachable(self) -> bool:
         """Whether the catalog cannot be reached now (a control plane that is down): a save
         in flight is then retrying, and training should not wait for it."""

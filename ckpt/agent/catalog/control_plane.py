@@ -210,6 +210,9 @@ class ControlPlaneCatalog:
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         self.attempt.interval = (seconds, waste_seconds_per_hour)
 
+    def account(self, figures: Callable[[], dict[str, float | int] | None]) -> None:
+        self.attempt.time = figures
+
     def unreachable(self) -> bool:
         return self.control.unreachable
 

@@ -9,7 +9,7 @@ job per run name.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -124,6 +124,9 @@ class StoreCatalog:
 
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         return None  # logged
+
+    def account(self, figures: Callable[[], dict[str, float | int] | None]) -> None:
+        return None  # no attempts without a control plane
 
     def unreachable(self) -> bool:
         return False  # the store's own failures fail the save; there is nothing to wait out

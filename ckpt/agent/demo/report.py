@@ -15,6 +15,7 @@ import torch
 
 from ckpt.agent.demo.compare import differences
 from ckpt.agent.demo.server import dashboard_url
+from ckpt.core.goodput import TimeSpent
 
 DRILL_RECORD = "sigkill-drill.json"  # what the SIGKILL drill did, written by the trainer
 
@@ -40,6 +41,7 @@ def report(
     )
     for attempt in attempts:
         print(format_attempt(attempt))
+    print(f"goodput:                      {format_goodput(attempts)}")
     print(f"SIGKILL drill:                {format_drill(drill, step=kill_upload_at)}")
     print(f"bundles saved:                {len(facts['bundles'])}")
     print(
@@ -106,6 +108,30 @@ def format_attempt(attempt: dict[str, Any]) -> str:
         line += " (killed: no final save, no goodbye)"
     lost = attempt.get("steps_lost")
     return f"{line}, steps lost: {'?' if lost is None else lost}"
+
+
+def format_goodput(attempts: list[dict[str, Any]]) -> str:
+    """The run's goodput over the attempts that reported their time (``ckpt.core.goodput``)."""
+    total = sum(
+        (
+            TimeSpent(
+                restart_seconds=a["time"]["restart_seconds"],
+                stall_seconds=a["time"]["stall_seconds"],
+                train_seconds=a["time"]["train_seconds"],
+                redo_seconds=a["time"]["redo_seconds"],
+            )
+            for a in attempts
+            if a.get("time")
+        ),
+        TimeSpent(),
+    )
+    if total.goodput is None:
+        return "unknown (no attempt reported its time)"
+    return (
+        f"{total.goodput:.0%} of {total.wall_seconds:.1f} s trained and kept (restarts "
+        f"{total.restart_seconds:.1f} s, saves {total.stall_seconds:.1f} s, lost steps "
+        f"redone {total.redo_seconds:.1f} s)"
+    )
 
 
 def format_drill(record: dict[str, Any] | None, *, step: int) -> str:

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
+from ckpt.core.goodput import redo_seconds
 from ckpt.service import lineage
 from ckpt.service.auth.service import Principal, require_write
 from ckpt.service.context import Context
@@ -22,6 +23,7 @@ from ckpt.service.runs.schemas import (
     AttemptNotice,
     AttemptOut,
     AttemptRegistered,
+    AttemptTime,
     Heartbeat,
 )
 from ckpt.service.runs.service import attempt_node, attempt_out, resumable_bundle, resume_point
@@ -52,7 +54,9 @@ def register_attempt(
         repository.refresh_activity(session, run_ids=[run.id])
         context.metrics.attempts.inc()
         if previous is not None:  # an ended predecessor's steps lost are known now
-            _count_steps_lost(context.metrics, before=None, after=_steps_lost(session, previous))
+            _count_steps_lost(
+                context.metrics, previous, before=None, after=_steps_lost(session, previous)
+            )
         return AttemptRegistered(
             attempt_id=attempt.id,
             run=run.name,
@@ -81,6 +85,8 @@ def heartbeat(
         )
         if beat.step is not None:
             attempt.last_step = beat.step
+        if beat.time is not None:
+            _account(context.metrics, attempt, beat.time)
         if beat.interval_seconds is not None:
             attempt.interval_seconds = beat.interval_seconds
             attempt.waste_seconds_per_hour = beat.waste_seconds_per_hour
@@ -112,11 +118,13 @@ def end_attempt(
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
         attempt.final_save_committed = end.final_save_committed
+        if end.time is not None:
+            _account(context.metrics, attempt, end.time)
         if end.step is not None:
             attempt.last_step = end.step
         after = _steps_lost(session, attempt)
         repository.refresh_activity(session, run_ids=[run.id])
-        _count_steps_lost(context.metrics, before=before, after=after)
+        _count_steps_lost(context.metrics, attempt, before=before, after=after)
         return attempt_out(attempt, run, steps_lost=after)
 
 
@@ -160,7 +168,7 @@ def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
         steps = [_steps_lost(session, attempt) for attempt in lost]
     context.metrics.attempts_lost.inc(len(lost))
     for attempt, lost_steps in zip(lost, steps, strict=True):
-        _count_steps_lost(context.metrics, before=None, after=lost_steps)
+        _count_steps_lost(context.metrics, attempt, before=None, after=lost_steps)
         log.warning(
             "attempt %d (run %d, epoch %d) is lost: no heartbeat for %.0f s (last step %s)",
             attempt.id,
@@ -213,8 +221,26 @@ def _steps_lost(session: Session, attempt: Attempt) -> int | None:
     )
 
 
-def _count_steps_lost(metrics: Metrics, *, before: int | None, after: int | None) -> None:
+def _account(metrics: Metrics, attempt: Attempt, time: AttemptTime) -> None:
+    """Keep the attempt's latest time figures; count what they add in the metrics."""
+    for part in ("restart", "stall", "train"):
+        now = getattr(time, f"{part}_seconds")
+        before = getattr(attempt, f"{part}_seconds") or 0.0
+        if now > before:
+            metrics.attempt_seconds.labels(part=part).inc(now - before)
+        setattr(attempt, f"{part}_seconds", now)
+    attempt.steps_trained = time.steps_trained
+
+
+def _count_steps_lost(
+    metrics: Metrics, attempt: Attempt, *, before: int | None, after: int | None
+) -> None:
     """Count what a change made newly known (a lost attempt that reports its end may have
-    reported a later step)."""
+    reported a later step): the steps lost, and the time they took."""
     if after is not None and after > (before or 0):
         metrics.steps_lost.inc(after - (before or 0))
+        train, trained = attempt.train_seconds or 0.0, attempt.steps_trained or 0
+        redo = redo_seconds(train_seconds=train, steps_trained=trained, steps_lost=after)
+        redo -= redo_seconds(train_seconds=train, steps_trained=trained, steps_lost=before)
+        if redo > 0:
+            metrics.attempt_seconds.labels(part="redo").inc(redo)

@@ -28,6 +28,7 @@ from ckpt.service.runs.schemas import (
     RollbackOut,
     RollbackRequest,
     RunCreate,
+    RunGoodput,
     RunOut,
     RunPage,
     RunPatch,
@@ -153,6 +154,13 @@ def preemption_rate(
     capacity pool (its newest attempt's, or ``pool``): what ``CKPT_EVERY=auto`` sizes the
     save interval by."""
     return mtbf.preemption_rate(context, principal, name=run, pool=pool)
+
+
+@router.get("/runs/{run}/goodput", responses=responses(*ONE))
+def goodput(run: RunPath, principal: PrincipalDep, context: ContextDep) -> RunGoodput:
+    """Where the run's time went over all its attempts (restart, stall, train, redo) and
+    its goodput: (train - redo) / (restart + stall + train)."""
+    return service.run_goodput(context, principal, name=run)
 
 
 @router.post("/runs/{run}/rollback", responses=responses(*ONE, ConflictError))

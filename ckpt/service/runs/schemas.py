@@ -94,10 +94,21 @@ class AttemptRegistered(BaseModel):
 
 
 Seconds = Annotated[float, Field(gt=0, le=10**9, allow_inf_nan=False)]
+Duration = Annotated[float, Field(ge=0, le=10**9, allow_inf_nan=False)]
+
+
+class AttemptTime(_Request):
+    """Where the attempt's time went so far, as its agent accounts it (cumulative)."""
+
+    restart_seconds: Duration = Field(description="from its process's start until it could train")
+    stall_seconds: Duration = Field(description="the loop waiting on saves")
+    train_seconds: Duration = Field(description="the rest: training")
+    steps_trained: Annotated[int, Field(ge=0, le=10**12, strict=True)]
 
 
 class Heartbeat(_Request):
     step: Step | None = None
+    time: AttemptTime | None = None
     interval_seconds: Seconds | None = Field(
         default=None, description="with CKPT_EVERY=auto: the save interval the agent chose"
     )
@@ -135,6 +146,7 @@ class AttemptEnd(_Request):
     reason: ReportedEnd
     final_save_committed: Annotated[bool, Field(strict=True)] = False
     step: Step | None = None
+    time: AttemptTime | None = None
 
 
 class AttemptOut(BaseModel):
@@ -168,6 +180,26 @@ class AttemptOut(BaseModel):
         description="steps this attempt trained past the bundle its successor resumed from; "
         "null while it runs, has no successor, reported no step, or finished"
     )
+    time: TimeOut | None = Field(
+        default=None, description="where its time went, as its agent last reported"
+    )
+
+
+class TimeOut(BaseModel):
+    """goodput = (train - redo) / wall, wall = restart + stall + train."""
+
+    wall_seconds: float
+    restart_seconds: float
+    stall_seconds: float
+    train_seconds: float
+    redo_seconds: float = Field(description="of train: the steps lost, at the mean step time")
+    goodput: float | None
+
+
+class RunGoodput(BaseModel):
+    run: str
+    attempts: int = Field(description="those that reported their time")
+    time: TimeOut
 
 
 class HistoryOut(BaseModel):

@@ -11,6 +11,7 @@ from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session, load_only
 
 from ckpt.core.contract import Manifest
+from ckpt.core.goodput import TimeSpent, redo_seconds
 from ckpt.service import lineage
 from ckpt.service.auth.service import Principal, require_admin, require_read, require_write
 from ckpt.service.context import Context
@@ -30,9 +31,11 @@ from ckpt.service.runs.schemas import (
     RollbackOut,
     RollbackRequest,
     RunCreate,
+    RunGoodput,
     RunOut,
     RunPage,
     RunPatch,
+    TimeOut,
 )
 from ckpt.service.sql import Lock
 
@@ -118,6 +121,20 @@ def resumable(context: Context, principal: Principal, *, name: str) -> ResumePoi
                 "complete (every rank's six layers recorded and every blob verified)"
             )
         return point
+
+
+def run_goodput(context: Context, principal: Principal, *, name: str) -> RunGoodput:
+    """The run's time over all its attempts that reported theirs, and its goodput."""
+    require_read(principal, name)
+    with context.transaction() as session:
+        run = _run(session, name)
+        attempts = repository.run_attempts(session, run_id=run.id)
+        lost = lineage.steps_lost_by_attempt(repository.attempt_nodes(session, run_id=run.id))
+        spent = [time_spent(a, steps_lost=lost[a.id]) for a in attempts]
+    reported = [item for item in spent if item is not None]
+    out = time_out(sum(reported, TimeSpent()))
+    assert out is not None
+    return RunGoodput(run=run.name, attempts=len(reported), time=out)
 
 
 def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage:
@@ -306,6 +323,35 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
         pool=attempt.pool,
         interval_seconds=attempt.interval_seconds,
         waste_seconds_per_hour=attempt.waste_seconds_per_hour,
+        time=time_out(time_spent(attempt, steps_lost=steps_lost)),
+    )
+
+
+def time_spent(attempt: Attempt, *, steps_lost: int | None) -> TimeSpent | None:
+    """The attempt's time as its agent reported it; None before any report."""
+    if attempt.train_seconds is None:
+        return None
+    train = attempt.train_seconds
+    return TimeSpent(
+        restart_seconds=attempt.restart_seconds or 0.0,
+        stall_seconds=attempt.stall_seconds or 0.0,
+        train_seconds=train,
+        redo_seconds=redo_seconds(
+            train_seconds=train, steps_trained=attempt.steps_trained or 0, steps_lost=steps_lost
+        ),
+    )
+
+
+def time_out(spent: TimeSpent | None) -> TimeOut | None:
+    if spent is None:
+        return None
+    return TimeOut(
+        wall_seconds=spent.wall_seconds,
+        restart_seconds=spent.restart_seconds,
+        stall_seconds=spent.stall_seconds,
+        train_seconds=spent.train_seconds,
+        redo_seconds=spent.redo_seconds,
+        goodput=spent.goodput,
     )
 
 
