@@ -89,7 +89,9 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path) -> None:
 
     def interrupt_once_writing() -> None:
         assert store.writing.wait(timeout=300)
-        os.kill(os.getpid(), signal.SIGINT)
+        # To the main thread itself: a signal sent to the process may land on any thread,
+        # and then the main thread's lock wait is never interrupted (seen on a busy machine).
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
     # Python's own Ctrl-C handler, whatever an earlier test in this process left installed.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

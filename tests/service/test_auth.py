@@ -230,6 +230,22 @@ TABLE: list[Row] = [
     ),
     Row(
         "POST",
+        "/v1/attempts/{attempt}/notice",
+        Access.WRITE,
+        200,
+        lambda w: f"/v1/attempts/{w.live['attempt_id']}/notice",
+        body=lambda w: {"cloud": "aws", "kind": "rebalance"},
+    ),
+    Row(
+        "GET",
+        "/v1/runs/{run}/preemption-rate",
+        Access.READ,
+        200,
+        lambda w: f"/v1/runs/{w.run}/preemption-rate",
+    ),
+    Row("GET", "/v1/runs/{run}/goodput", Access.READ, 200, lambda w: f"/v1/runs/{w.run}/goodput"),
+    Row(
+        "POST",
         "/v1/attempts/{attempt}/end",
         Access.WRITE,
         200,
