@@ -188,9 +188,10 @@ class ControlPlane:
             body |= {"interval_seconds": interval[0], "waste_seconds_per_hour": interval[1]}
         self._call("POST", f"/v1/attempts/{attempt_id}/heartbeat", body, patience=patience)
 
-    def preemption_rate(self, run: str) -> float:
+    def preemption_rate(self, run: str, *, patience: float | None = None) -> float:
         """The control plane's mean time between preemptions for the run, in seconds."""
-        return float(self._call("GET", f"/v1/runs/{run}/preemption-rate")["mtbf_seconds"])
+        answer = self._call("GET", f"/v1/runs/{run}/preemption-rate", patience=patience)
+        return float(answer["mtbf_seconds"])
 
     def notice(self, attempt_id: int, *, notice: Notice, step: int) -> None:
         body = {"cloud": notice.cloud, "kind": notice.kind, "step": step}

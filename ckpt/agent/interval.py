@@ -4,7 +4,9 @@ The interval is the Young/Daly optimum ``sqrt(2 · cost · mtbf)`` (``ckpt.core.
 within ``[auto_min_seconds, auto_max_seconds]``. ``cost`` is what a save stalls the loop,
 averaged over the saves measured (the first save comes after ``auto_min_seconds``, to
 measure one); ``mtbf`` is the control plane's estimate for the run and its capacity pool
-(``GET /v1/runs/{run}/preemption-rate``), asked again every ``REFRESH_SECONDS``, or
+(``GET /v1/runs/{run}/preemption-rate``), asked again every ``REFRESH_SECONDS`` from the
+training loop with at most ``ESTIMATE_PATIENCE`` seconds of retries (a control plane that
+is down costs a step that long, then the last estimate stands), or
 ``mtbf_seconds`` when configured (store-only: that or the default prior). A change of more
 than a tenth is logged. Only rank 0 decides when an auto save is due; the ranks save
 together as for any due save.
@@ -22,6 +24,7 @@ from ckpt.core.interval import bounded, waste_per_hour, young_daly
 log = logging.getLogger("ckpt")
 
 REFRESH_SECONDS = 600.0
+ESTIMATE_PATIENCE = 2.0
 DEFAULT_MTBF_SECONDS = 4 * 3600.0  # the control plane's default prior, store-only
 _WEIGHT = 0.3  # of the newest save in the running average of the cost
 
@@ -86,7 +89,8 @@ class AutoInterval:
             low=self._low,
             high=self._high,
         )
-        if abs(chosen - self.seconds) > 0.1 * self.seconds:
+        before, self.seconds = self.seconds, chosen
+        if abs(chosen - before) > 0.1 * before:
             log.info(
                 "run %s: saving every %.0f s (a save stalls %.2f s, preemptions come every "
                 "%.1f h on average: %.0f s of each hour expected lost)",
@@ -94,10 +98,5 @@ class AutoInterval:
                 chosen,
                 self.cost_seconds,
                 self.mtbf_seconds / 3600,
-                waste_per_hour(
-                    interval_seconds=chosen,
-                    cost_seconds=self.cost_seconds,
-                    mtbf_seconds=self.mtbf_seconds,
-                ),
+                self.waste_seconds_per_hour(),
             )
-        self.seconds = chosen

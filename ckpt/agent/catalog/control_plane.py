@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from ckpt.agent.attempt import Attempt
 from ckpt.agent.catalog.base import Upload
 from ckpt.agent.client import ControlPlane, IncompleteCommitError, IntactBlobError, Registration
+from ckpt.agent.interval import ESTIMATE_PATIENCE
 from ckpt.agent.manifests import versions
 from ckpt.agent.notices import Notice
 from ckpt.agent.ranks import MEET_SECONDS, Ranks
@@ -205,7 +206,7 @@ class ControlPlaneCatalog:
         self.attempt.notice(notice, step=step)
 
     def preemption_rate(self) -> float | None:
-        return self.control.preemption_rate(self._run)
+        return self.control.preemption_rate(self._run, patience=ESTIMATE_PATIENCE)
 
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         self.attempt.interval = (seconds, waste_seconds_per_hour)

@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -112,17 +113,9 @@ def format_attempt(attempt: dict[str, Any]) -> str:
 
 def format_goodput(attempts: list[dict[str, Any]]) -> str:
     """The run's goodput over the attempts that reported their time (``ckpt.core.goodput``)."""
+    parts = [field.name for field in fields(TimeSpent)]
     total = sum(
-        (
-            TimeSpent(
-                restart_seconds=a["time"]["restart_seconds"],
-                stall_seconds=a["time"]["stall_seconds"],
-                train_seconds=a["time"]["train_seconds"],
-                redo_seconds=a["time"]["redo_seconds"],
-            )
-            for a in attempts
-            if a.get("time")
-        ),
+        (TimeSpent(**{part: a["time"][part] for part in parts}) for a in attempts if a.get("time")),
         TimeSpent(),
     )
     if total.goodput is None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from ckpt.core.interval import History
@@ -52,11 +52,11 @@ def preemption_rate(
 
 
 def _rows(
-    session: Session, where: object
+    session: Session, where: ColumnElement[bool]
 ) -> Sequence[tuple[datetime, datetime | None, str | None]]:
     rows = session.execute(
         select(Attempt.started_at, Attempt.ended_at, Attempt.end_reason)
-        .where(where)  # type: ignore[arg-type]
+        .where(where)
         .order_by(Attempt.id.desc())
         .limit(NEWEST)
     )

@@ -5,6 +5,7 @@ shared with ``attempts.py`` (the attempts of a run) and the bundles service."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy.engine import Row
@@ -345,14 +346,7 @@ def time_spent(attempt: Attempt, *, steps_lost: int | None) -> TimeSpent | None:
 def time_out(spent: TimeSpent | None) -> TimeOut | None:
     if spent is None:
         return None
-    return TimeOut(
-        wall_seconds=spent.wall_seconds,
-        restart_seconds=spent.restart_seconds,
-        stall_seconds=spent.stall_seconds,
-        train_seconds=spent.train_seconds,
-        redo_seconds=spent.redo_seconds,
-        goodput=spent.goodput,
-    )
+    return TimeOut(**asdict(spent), wall_seconds=spent.wall_seconds, goodput=spent.goodput)
 
 
 def attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> AttemptNode:
