@@ -408,3 +408,25 @@ def test_what_a_pending_bundle_misses_in_words() -> None:
     assert missing_words(missing) == (
         "rank 0: optimizer, scheduler, rng, data, counters; rank 1: all six layers"
     )
+
+
+def test_the_run_page_shows_the_notice_an_attempt_read(server: Server, run_name: str) -> None:
+    with server.client() as api:
+        quiet = api.post(f"/v1/runs/{run_name}/attempts", json={}).json()["attempt_id"]
+        noticed = api.post(f"/v1/runs/{run_name}/attempts", json={}).json()["attempt_id"]
+        notice = {"cloud": "aws", "kind": "instance-action", "detail": "terminate <b>now</b>"}
+        api.post(f"/v1/attempts/{noticed}/notice", json=notice).raise_for_status()
+    assert quiet != noticed
+    with signed_in_client(server.url, server.admin_token) as browser:
+        page = browser.get(f"/ui/runs/{run_name}").text
+
+    def notice_cell(epoch: int) -> str:
+        row = page.split(f'<tr data-epoch="{epoch}">', 1)[1].split("</tr>", 1)[0]
+        found = re.search(r'data-col="notice">(.*?)</td>', row, re.S)
+        assert found, row
+        return found.group(1)
+
+    assert notice_cell(1) == "—"
+    shown = notice_cell(2)
+    assert shown.startswith("aws instance-action: terminate &lt;b&gt;now&lt;/b&gt;, ")
+    assert "<b>" not in shown
