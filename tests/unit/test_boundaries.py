@@ -7,6 +7,7 @@ The layers, lowest first::
     ckpt.agent       the training agent (torch)        imports core
     ckpt.service     the control plane (FastAPI, SQL)  imports core
     ckpt.migrations  the catalog's schema history      imports service, core
+    ckpt.integrations  HF Trainer, Lightning (extras)  imports agent, core
     ckpt.cli, ckpt   the command and the public names  import anything
 """
 
@@ -30,6 +31,7 @@ ALLOWED = {
     "agent": {"core", "agent"},
     "service": {"core", "service"},
     "migrations": {"core", "service", "migrations"},
+    "integrations": {"core", "agent", "integrations"},
     "cli": {"core", "agent", "service", "migrations", "cli"},
     "": {"core", "agent", "cli"},  # ckpt/__init__.py (the public names) and ckpt/__main__.py
 }
