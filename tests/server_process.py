@@ -87,7 +87,12 @@ def serving(
         process = subprocess.Popen(command, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_ready(url, process, log, what=" ".join(command), token=env.get("CKPT_ADMIN_TOKEN"))
-        yield process
+        try:
+            yield process
+        except BaseException:
+            # pytest shows a failed test's stderr: what the server said is the first clue.
+            print(f"--- {log} (the server's log) ---\n{log.read_text()[-20000:]}", file=sys.stderr)
+            raise
     finally:
         process.terminate()
         try:

@@ -151,6 +151,9 @@ def add_catalog_commands(commands: Commands) -> None:
     rebuild.set_defaults(handler=_catalog_rebuild)
 
 
+WORKER_HEALTHCHECK_SECONDS = 30
+
+
 def _server(args: argparse.Namespace) -> int:
     import logging
 
@@ -181,7 +184,14 @@ def _server(args: argparse.Namespace) -> int:
         workers=current.workers,
         host=current.host,
         port=current.port,
-        log_level="warning",
+        # The supervisor says at info when a worker died and was replaced; requests are not
+        # logged one by one.
+        log_level="info",
+        access_log=False,
+        # The supervisor SIGKILLs a worker that does not answer its ping in time, with the
+        # requests it holds. Uvicorn's 5 s is short on a saturated host, where a worker that
+        # is only slow would be killed mid-request; a hung worker is the liveness probe's.
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
     )
     return 0
 
