@@ -430,3 +430,30 @@ def test_the_run_page_shows_the_notice_an_attempt_read(server: Server, run_name:
     shown = notice_cell(2)
     assert shown.startswith("aws instance-action: terminate &lt;b&gt;now&lt;/b&gt;, ")
     assert "<b>" not in shown
+
+
+def test_the_run_page_shows_each_attempts_goodput_and_chosen_interval(
+    server: Server, run_name: str
+) -> None:
+    with server.client() as api:
+        first = api.post(f"/v1/runs/{run_name}/attempts", json={}).json()["attempt_id"]
+        time = {"restart_seconds": 20.0, "stall_seconds": 5.0, "train_seconds": 75.0}
+        beat = {"step": 40, "time": {**time, "steps_trained": 40}}
+        beat |= {"interval_seconds": 750.0, "waste_seconds_per_hour": 90.0}
+        api.post(f"/v1/attempts/{first}/heartbeat", json=beat).raise_for_status()
+        # Preempted with no bundle: its 40 steps are lost, so nothing it trained counted.
+        end = {"reason": "preempted", "step": 40, "time": {**time, "steps_trained": 40}}
+        api.post(f"/v1/attempts/{first}/end", json=end).raise_for_status()
+        api.post(f"/v1/runs/{run_name}/attempts", json={}).raise_for_status()
+    with signed_in_client(server.url, server.admin_token) as browser:
+        page = browser.get(f"/ui/runs/{run_name}").text
+
+    def cell(epoch: int, column: str) -> str:
+        row = page.split(f'<tr data-epoch="{epoch}">', 1)[1].split("</tr>", 1)[0]
+        found = re.search(rf'data-col="{column}"[^>]*>(.*?)</td>', row, re.S)
+        assert found, row
+        return found.group(1)
+
+    assert (cell(1, "goodput"), cell(1, "interval")) == ("0.0%", "12.5 min")
+    assert 'title="expected loss 1.5 min per hour"' in page
+    assert (cell(2, "goodput"), cell(2, "interval")) == ("—", "—")

@@ -41,6 +41,17 @@ def seconds(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f} s"
 
 
+def duration(value: float | None) -> str:
+    """An interval in the unit that reads best: 45 s, 12.5 min, 2.2 h."""
+    if value is None:
+        return "—"
+    if value < 60:
+        return f"{value:.0f} s"
+    if value < 3600:
+        return f"{value / 60:.1f} min"
+    return f"{value / 3600:.1f} h"
+
+
 def maybe(value: object) -> str:
     return "—" if value is None else str(value)
 
@@ -51,5 +62,6 @@ FILTERS = {
     "percent": percent,
     "moment": moment,
     "seconds": seconds,
+    "duration": duration,
     "maybe": maybe,
 }

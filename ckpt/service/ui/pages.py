@@ -30,7 +30,7 @@ from ckpt.service.models import (
     Save,
 )
 from ckpt.service.runs import repository as runs_repository
-from ckpt.service.runs.service import resumable_bundle
+from ckpt.service.runs.service import resumable_bundle, time_spent
 from ckpt.service.ui import queries
 from ckpt.service.ui.drawing import draw_lineage, draw_saves
 from ckpt.service.ui.queries import RunFigures, RunListing
@@ -50,12 +50,19 @@ class RunsPage:
 
 
 @dataclass(frozen=True)
+class AttemptRow:
+    attempt: Attempt
+    steps_lost: int | None
+    goodput: float | None  # None before its agent reported time
+
+
+@dataclass(frozen=True)
 class RunPage:
     listing: RunListing
     figures: RunFigures
     lineage_svg: str
     saves_svg: str
-    attempts: list[tuple[Attempt, int | None]]  # newest first, with the steps each lost
+    attempts: list[AttemptRow]  # newest first
     hidden_lanes: int
     hidden_bundles: int
 
@@ -112,10 +119,15 @@ def run_page(session: Session, principal: Principal, *, name: str) -> RunPage:
         figures=figures,
         lineage_svg=draw_lineage(window.picture),
         saves_svg=draw_saves(window.saves),
-        attempts=[(a, window.steps_lost[a.id]) for a in reversed(window.attempts)],
+        attempts=[_attempt_row(a, window.steps_lost[a.id]) for a in reversed(window.attempts)],
         hidden_lanes=hidden.lanes if hidden else 0,
         hidden_bundles=hidden.bundles if hidden else 0,
     )
+
+
+def _attempt_row(attempt: Attempt, steps_lost: int | None) -> AttemptRow:
+    spent = time_spent(attempt, steps_lost=steps_lost)
+    return AttemptRow(attempt, steps_lost, spent.goodput if spent else None)
 
 
 def bundle_page(
