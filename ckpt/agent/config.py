@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from ckpt.agent.format.chunking import DEFAULT_BLOB_BYTES
+from ckpt.agent.format.chunking import DEFAULT_BLOB_BYTES, MAX_BLOB_BYTES
 from ckpt.agent.notices import CLOUDS
 from ckpt.core.storage.keys import check_run_name
 
@@ -166,8 +166,8 @@ class Config:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
         if self.staging_bytes is not None and self.staging_bytes < 0:
             raise ValueError(f"staging_bytes must be 0 or more, got {self.staging_bytes}")
-        if self.blob_bytes < 1 << 20:
-            raise ValueError(f"blob_bytes must be at least 1 MiB, got {self.blob_bytes}")
+        if not 1 << 20 <= self.blob_bytes <= MAX_BLOB_BYTES:
+            raise ValueError(f"blob_bytes must be from 1 MiB to 5 GiB, got {self.blob_bytes}")
         try:
             object.__setattr__(self, "in_flight", InFlight(str(self.in_flight).strip().lower()))
         except ValueError:

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 DEFAULT_BLOB_BYTES = 64 << 20
+# S3's largest PutObject: a blob goes up in one request, whose SHA-256 the store keeps.
+MAX_BLOB_BYTES = 5 << 30
 GROUP_BYTES = 1 << 20
 
 

@@ -6,7 +6,12 @@ another server; credentials come from the standard AWS chain (environment, profi
 
 Objects are streamed from the caller's buffers (never joined into one bytes object): one
 ``PutObject`` up to ``part_bytes``, a multipart upload above, each request carrying the
-SHA-256 of its bytes so that the server verifies what it receives. A failed multipart
+SHA-256 of its bytes so that the server verifies what it receives. ``part_bytes`` is S3's
+largest ``PutObject`` by default, and the agent's blobs are never larger
+(``CKPT_BLOB_BYTES``): each blob is one request whose SHA-256 S3 checks and keeps for the
+whole object, so that a commit confirms it from a HEAD. (A multipart upload's checksum is
+only a checksum of its parts' checksums; its parts went up one after another anyway, so
+one request per blob loses nothing.) A failed multipart
 upload is aborted, so no partial object ever becomes visible. botocore retries throttling,
 5xx answers and connection errors with backoff; connect and read timeouts bound every call.
 """
@@ -29,7 +34,8 @@ from ckpt.core.errors import BadObjectError, StoreError
 from ckpt.core.storage.base import StoredObject
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
-DEFAULT_PART_BYTES = 64 << 20
+MAX_PUT_BYTES = 5 << 30  # S3's largest PutObject (and largest part)
+DEFAULT_PART_BYTES = MAX_PUT_BYTES
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 
 
@@ -50,8 +56,10 @@ class S3ObjectStore:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise ValueError(f"not an S3 URL: {url!r}; use s3://bucket/prefix")
-        if part_bytes < MIN_PART_BYTES:
-            raise ValueError(f"part_bytes must be at least {MIN_PART_BYTES} (S3's minimum)")
+        if not MIN_PART_BYTES <= part_bytes <= MAX_PUT_BYTES:
+            raise ValueError(
+                f"part_bytes must be from {MIN_PART_BYTES} to {MAX_PUT_BYTES} (S3's limits)"
+            )
         self.url = url.rstrip("/")
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
