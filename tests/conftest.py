@@ -19,12 +19,13 @@ def run_trainer(
     *args: str,
     expect_rc: int = 0,
     env: dict[str, str] | None = None,
+    module: str = "ckpt.agent.demo.train",
 ) -> dict[str, Any]:
-    """Run the demo training job in a fresh process and load what it wrote."""
+    """Run a training job (the demo's, or ``module``) in a fresh process and load what it wrote."""
     command = [
         sys.executable,
         "-m",
-        "ckpt.agent.demo.train",
+        module,
         "--store",
         str(store),
         "--out",
