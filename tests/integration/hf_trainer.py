@@ -30,7 +30,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ckpt import Layer, ResumeResult
+from ckpt import Layer, PerSampleRNG, ResumeResult
 from ckpt.agent.checkpointer import Checkpointer
 from ckpt.integrations.huggingface import CheckpointCallback, CheckpointMixin
 
@@ -44,13 +44,18 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
         generator = torch.Generator().manual_seed(1234)
         self.tokens = torch.randint(0, VOCAB, (NUM_SAMPLES, LENGTH), generator=generator)
         self.fetched: list[int] = []
+        self.augment = False
 
     def __len__(self) -> int:
         return NUM_SAMPLES
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         self.fetched.append(int(index))
-        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+        tokens = self.tokens[index]
+        if self.augment:  # replace a random token: randomness in the data pipeline
+            tokens = tokens.clone()
+            tokens[torch.randint(0, LENGTH, ())] = torch.randint(0, VOCAB, ())
+        return {"input_ids": tokens, "labels": tokens}
 
 
 class RecordingTrainer(CheckpointMixin, Trainer):
@@ -112,10 +117,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--kill-at", type=int, help="STEP: SIGKILL itself once that step's bundle is durable")
     add("--signal-at", type=int, help="STEP: SIGTERM itself after that step")
     add("--skip-layer", action="append", default=[], help="resume without this layer")
+    add("--workers", type=int, default=0, help="data-loader workers")
+    add("--augment", action="store_true", help="the dataset draws random numbers")
+    add("--per-sample-rng", action="store_true", help="wrap the dataset in PerSampleRNG")
     return parser.parse_args(argv)
 
 
-def build(args: argparse.Namespace, output_dir: str) -> RecordingTrainer:
+def tiny_model() -> GPT2LMHeadModel:
+    """A 2-layer GPT-2 with dropout, the same weights in every process."""
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=2,
@@ -127,16 +136,13 @@ def build(args: argparse.Namespace, output_dir: str) -> RecordingTrainer:
         bos_token_id=0,
         eos_token_id=0,
     )
-    model = GPT2LMHeadModel(config)
-    settings = {"run": "hf", "store": args.store, "every_steps": args.every, "quiet": True}
-    if args.skip_layer:
-        layers = [layer for layer in Layer if layer not in args.skip_layer]
-        ckpt: CheckpointCallback = Layers(layers=layers, **settings)
-    else:
-        ckpt = CheckpointCallback(**settings)
-    training = TrainingArguments(
+    return GPT2LMHeadModel(config)
+
+
+def training_arguments(output_dir: str, *, max_steps: int, workers: int = 0) -> TrainingArguments:
+    return TrainingArguments(
         output_dir=output_dir,
-        max_steps=args.max_steps,
+        max_steps=max_steps,
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         learning_rate=3e-3,
@@ -147,13 +153,24 @@ def build(args: argparse.Namespace, output_dir: str) -> RecordingTrainer:
         report_to=[],
         use_cpu=True,
         seed=7,
-        dataloader_num_workers=0,
+        dataloader_num_workers=workers,
         disable_tqdm=True,
     )
+
+
+def build(args: argparse.Namespace, output_dir: str) -> RecordingTrainer:
+    settings = {"run": "hf", "store": args.store, "every_steps": args.every, "quiet": True}
+    if args.skip_layer:
+        layers = [layer for layer in Layer if layer not in args.skip_layer]
+        ckpt: CheckpointCallback = Layers(layers=layers, **settings)
+    else:
+        ckpt = CheckpointCallback(**settings)
+    dataset = Tokens()
+    dataset.augment = args.augment
     trainer = RecordingTrainer(
-        model=model,
-        args=training,
-        train_dataset=Tokens(),
+        model=tiny_model(),
+        args=training_arguments(output_dir, max_steps=args.max_steps, workers=args.workers),
+        train_dataset=PerSampleRNG(dataset) if args.per_sample_rng else dataset,
         callbacks=[ckpt],
     )
     trainer.records = []
@@ -167,6 +184,8 @@ def final_state(trainer: RecordingTrainer, train_loss: float) -> dict[str, Any]:
     optimizer = trainer.optimizer.state_dict()
     records = trainer.records
     dataset = trainer.train_dataset
+    if isinstance(dataset, PerSampleRNG):
+        dataset = dataset.dataset
     assert isinstance(dataset, Tokens)
     return {
         "model": {name: t.clone() for name, t in trainer.model.state_dict().items()},

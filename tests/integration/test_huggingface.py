@@ -4,7 +4,8 @@ for bit against a run that was never interrupted.
 The job (tests/integration/hf_trainer.py) trains a tiny GPT-2 with dropout through the real
 Trainer and accelerate: gradient accumulation 2, 6 optimizer steps an epoch (the last of one
 micro-batch), 15 steps in all, a bundle every 3 steps. It records every micro-batch's loss
-and which samples its process fetched.
+and which samples its process fetched. The SIGTERM test runs it with a data-loader worker
+and a dataset that draws random numbers, wrapped in ``PerSampleRNG``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.slow
 JOB = "tests.integration.hf_trainer"
 SAMPLES_PER_STEP = 8  # 2 micro-batches of 4
 SAMPLES_PER_EPOCH = 44
+WORKER_AUGMENTS = ("--workers", "1", "--augment", "--per-sample-rng")
 
 
 def train(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[str, Any]:
@@ -35,6 +37,12 @@ def train(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[str, A
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("reference")
     return train(root / "store", root / "reference.pt")
+
+
+@pytest.fixture(scope="module")
+def augmented_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("augmented")
+    return train(root / "store", root / "reference.pt", *WORKER_AUGMENTS)
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +86,16 @@ def test_a_run_killed_mid_epoch_resumes_bit_exactly_without_loading_what_it_had_
 
 
 def test_sigterm_saves_at_the_next_step_exits_and_the_resume_is_bit_exact(
-    reference: dict[str, Any], tmp_path: Path
+    augmented_reference: dict[str, Any], tmp_path: Path
 ) -> None:
     store = tmp_path / "first"
-    train(store, tmp_path / "unused.pt", "--signal-at", "10", expect_rc=EXIT_PREEMPTED)
-    # Step 11 ends epoch 1 with a step of one micro-batch; the resume starts epoch 2.
+    signal = ("--signal-at", "10")
+    train(store, tmp_path / "unused.pt", *WORKER_AUGMENTS, *signal, expect_rc=EXIT_PREEMPTED)
+    # Step 11 is the last of epoch 1, of one micro-batch.
     assert bundle_steps(store, run="hf") == [3, 6, 9, 11]
-    resumed = resume(store, tmp_path)
+    resumed = resume(store, tmp_path, *WORKER_AUGMENTS)
     assert resumed["positions"][0] == (11, 0)
-    assert_bit_exact(reference, resumed)
-    consumed = SAMPLES_PER_EPOCH + 5 * SAMPLES_PER_STEP  # all but epoch 1's last batch
-    assert resumed["fetched"] == reference["fetched"][consumed:]
+    assert_bit_exact(augmented_reference, resumed)
 
 
 def test_a_resume_without_the_rng_layer_is_not_bit_exact(
@@ -101,3 +108,29 @@ def test_a_resume_without_the_rng_layer_is_not_bit_exact(
     found = differences(reference, resumed)
     assert "the per-micro-batch loss sequence differs" in found, found
     assert any(item.startswith("parameter/buffer") for item in found), found
+
+
+def test_the_callback_and_the_mixin_refuse_to_train_without_each_other(tmp_path: Path) -> None:
+    # In this process (imported here: collecting the suite loads no transformers).
+    from transformers import Trainer, TrainerCallback
+
+    from ckpt.integrations.huggingface import CheckpointCallback, CheckpointTrainer
+    from tests.integration.hf_trainer import Tokens, tiny_model, training_arguments
+
+    def trainer(kind: type[Trainer], callbacks: list[TrainerCallback]) -> Trainer:
+        return kind(
+            model=tiny_model(),
+            args=training_arguments(str(tmp_path), max_steps=1),
+            train_dataset=Tokens(),
+            callbacks=callbacks,
+        )
+
+    callback = CheckpointCallback(run="hf", store=str(tmp_path / "store"))
+    with pytest.raises(ValueError, match="needs a Trainer with CheckpointMixin"):
+        trainer(Trainer, [callback]).train()
+    with pytest.raises(ValueError, match="needs a CheckpointCallback"):
+        trainer(CheckpointTrainer, []).train()
+    with pytest.raises(ValueError, match="without resume_from_checkpoint"):
+        trainer(CheckpointTrainer, [callback]).train(resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match="takes the training objects from the Trainer"):
+        CheckpointCallback(run="hf", optimizers=[])
