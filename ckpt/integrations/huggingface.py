@@ -197,6 +197,19 @@ def _train_sampler(loader: DataLoader[Any]) -> ResumableSampler:
     return sampler
 
 
+def _own_generator(loader: DataLoader[Any]) -> None:
+    """Give a prepared loader a generator of its own for its iterators' base seed.
+
+    accelerate's ``DataLoaderShard`` iterates a ``base_dataloader`` inside it: that one's
+    generator is the one drawn from, the shard's is the one ``skip_first_batches`` copies.
+    """
+    generator = torch.Generator()
+    loader.generator = generator
+    base = getattr(loader, "base_dataloader", None)
+    if isinstance(base, DataLoader):
+        base.generator = generator
+
+
 if TYPE_CHECKING:
     _Base = Trainer
 else:
@@ -221,6 +234,8 @@ class CheckpointMixin(_Base):
       step count right. It drops the batches consumed before by index (accelerate's
       ``SkipBatchSampler``), so no sample of them is loaded, and its RNG reload does
       nothing (``_load_rng_state``): the rng layer is already in place.
+    - Evaluation loaders get a generator of their own too: an evaluation draws nothing from
+      the global RNG, so the one ``eval_on_start`` runs again after a resume shifts nothing.
     - A save is considered after each step's log, evaluation and save
       (``_maybe_log_save_evaluate``): the bundle then carries that step's log entry.
     """
@@ -243,6 +258,11 @@ class CheckpointMixin(_Base):
             raise ValueError(
                 "ckpt resumes from the run's latest bundle by itself: call train() without "
                 "resume_from_checkpoint"
+            )
+        if self.args.ignore_data_skip:
+            raise ValueError(
+                "ignore_data_skip=True would start a resumed epoch over from its first batch; "
+                "ckpt resumes where the bundle left off: leave it False"
             )
         callback = self._checkpoint_callback()
         callback.trainer = self
@@ -275,7 +295,14 @@ class CheckpointMixin(_Base):
 
     def get_train_dataloader(self) -> DataLoader[Any]:
         loader: DataLoader[Any] = super().get_train_dataloader()
-        loader.generator = torch.Generator()  # seeded per epoch in _run_epoch
+        _own_generator(loader)  # seeded per epoch in _run_epoch
+        return loader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader[Any]:
+        # An evaluation then draws nothing from the global RNG (an iterator's base seed
+        # would), so one that runs again after a resume (eval_on_start) shifts nothing.
+        loader: DataLoader[Any] = super().get_eval_dataloader(eval_dataset)
+        _own_generator(loader)
         return loader
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> None:
