@@ -65,6 +65,8 @@ class RecordingTrainer(CheckpointMixin, Trainer):
 
     def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         loss = super().compute_loss(model, inputs, *args, **kwargs)
+        if not model.training:  # an evaluation
+            return loss
         assert isinstance(loss, torch.Tensor) and self.optimizer is not None
         step = self.state.global_step
         micro = sum(1 for record in self.records if record[0] == step)
@@ -120,6 +122,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--workers", type=int, default=0, help="data-loader workers")
     add("--augment", action="store_true", help="the dataset draws random numbers")
     add("--per-sample-rng", action="store_true", help="wrap the dataset in PerSampleRNG")
+    add("--evaluate", action="store_true", help="evaluate at the start and every 4 steps")
     return parser.parse_args(argv)
 
 
@@ -139,8 +142,14 @@ def tiny_model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def training_arguments(output_dir: str, *, max_steps: int, workers: int = 0) -> TrainingArguments:
+def training_arguments(
+    output_dir: str, *, max_steps: int, workers: int = 0, evaluate: bool = False
+) -> TrainingArguments:
+    evaluation: dict[str, Any] = (
+        {"eval_strategy": "steps", "eval_steps": 4, "eval_on_start": True} if evaluate else {}
+    )
     return TrainingArguments(
+        **evaluation,
         output_dir=output_dir,
         max_steps=max_steps,
         per_device_train_batch_size=4,
@@ -169,7 +178,10 @@ def build(args: argparse.Namespace, output_dir: str) -> RecordingTrainer:
     dataset.augment = args.augment
     trainer = RecordingTrainer(
         model=tiny_model(),
-        args=training_arguments(output_dir, max_steps=args.max_steps, workers=args.workers),
+        args=training_arguments(
+            output_dir, max_steps=args.max_steps, workers=args.workers, evaluate=args.evaluate
+        ),
+        eval_dataset=Tokens() if args.evaluate else None,
         train_dataset=PerSampleRNG(dataset) if args.per_sample_rng else dataset,
         callbacks=[ckpt],
     )

@@ -4,8 +4,9 @@ for bit against a run that was never interrupted.
 The job (tests/integration/hf_trainer.py) trains a tiny GPT-2 with dropout through the real
 Trainer and accelerate: gradient accumulation 2, 6 optimizer steps an epoch (the last of one
 micro-batch), 15 steps in all, a bundle every 3 steps. It records every micro-batch's loss
-and which samples its process fetched. The SIGTERM test runs it with a data-loader worker
-and a dataset that draws random numbers, wrapped in ``PerSampleRNG``.
+and which samples its process fetched. The SIGKILL test evaluates at the start and every 4
+steps; the SIGTERM test runs a data-loader worker over a dataset that draws random numbers,
+wrapped in ``PerSampleRNG``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.slow
 JOB = "tests.integration.hf_trainer"
 SAMPLES_PER_STEP = 8  # 2 micro-batches of 4
 SAMPLES_PER_EPOCH = 44
+EVALUATES = ("--evaluate",)
 WORKER_AUGMENTS = ("--workers", "1", "--augment", "--per-sample-rng")
 
 
@@ -36,7 +38,7 @@ def train(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[str, A
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("reference")
-    return train(root / "store", root / "reference.pt")
+    return train(root / "store", root / "reference.pt", *EVALUATES)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def augmented_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
 def killed_at_step_9(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store whose last bundle is step 9: epoch 1, 3 of its 6 steps done."""
     store = tmp_path_factory.mktemp("killed") / "store"
-    train(store, store.parent / "unused.pt", "--kill-at", "9", expect_rc=-9)
+    train(store, store.parent / "unused.pt", *EVALUATES, "--kill-at", "9", expect_rc=-9)
     assert bundle_steps(store, run="hf") == [3, 6, 9]
     return store
 
@@ -66,6 +68,11 @@ def logged(run: dict[str, Any]) -> list[dict[str, Any]]:
     return [entry for entry in run["log"] if "loss" in entry]
 
 
+def evaluated(run: dict[str, Any]) -> dict[int, float]:
+    """The evaluation loss by step."""
+    return {entry["step"]: entry["eval_loss"] for entry in run["log"] if "eval_loss" in entry}
+
+
 def assert_bit_exact(reference: dict[str, Any], resumed: dict[str, Any]) -> None:
     assert differences(reference, resumed) == []
     assert logged(resumed) == logged(reference)
@@ -76,9 +83,12 @@ def assert_bit_exact(reference: dict[str, Any], resumed: dict[str, Any]) -> None
 def test_a_run_killed_mid_epoch_resumes_bit_exactly_without_loading_what_it_had_trained(
     reference: dict[str, Any], killed_at_step_9: Path, tmp_path: Path
 ) -> None:
-    resumed = resume(killed_at_step_9, tmp_path)
+    resumed = resume(killed_at_step_9, tmp_path, *EVALUATES)
     assert resumed["positions"][0] == (9, 0)  # the first micro-batch of step 10
     assert_bit_exact(reference, resumed)
+    # eval_on_start evaluates once more at the resume (at step 9), and draws nothing.
+    assert evaluated(resumed).keys() - evaluated(reference).keys() == {9}
+    assert evaluated(reference).items() <= evaluated(resumed).items()
     # No batch skipping by loading: the resumed process fetched exactly the samples after
     # the bundle's (epoch 0, then 3 steps of epoch 1), and in the same order.
     consumed = SAMPLES_PER_EPOCH + 3 * SAMPLES_PER_STEP
@@ -103,7 +113,7 @@ def test_a_resume_without_the_rng_layer_is_not_bit_exact(
 ) -> None:
     # The negative control of the first test, from the same bundle: dropout then draws
     # other masks, so the comparison above can fail.
-    resumed = resume(killed_at_step_9, tmp_path, "--skip-layer", "rng")
+    resumed = resume(killed_at_step_9, tmp_path, *EVALUATES, "--skip-layer", "rng")
     assert resumed["positions"][0] == (9, 0)
     found = differences(reference, resumed)
     assert "the per-micro-batch loss sequence differs" in found, found
@@ -132,5 +142,9 @@ def test_the_callback_and_the_mixin_refuse_to_train_without_each_other(tmp_path:
         trainer(CheckpointTrainer, []).train()
     with pytest.raises(ValueError, match="without resume_from_checkpoint"):
         trainer(CheckpointTrainer, [callback]).train(resume_from_checkpoint=True)
+    skipping = trainer(CheckpointTrainer, [callback])
+    skipping.args.ignore_data_skip = True
+    with pytest.raises(ValueError, match="ignore_data_skip=True would start"):
+        skipping.train()
     with pytest.raises(ValueError, match="takes the training objects from the Trainer"):
         CheckpointCallback(run="hf", optimizers=[])
