@@ -229,11 +229,12 @@ class CheckpointMixin(_Base):
       global RNG, which a resume restores and a second iterator would shift.
     - ``train()`` resumes from the run's bundle, never from ``resume_from_checkpoint``. The
       epochs before the bundle's are passed over (callbacks still see their
-      ``on_epoch_begin``: the Trainer's loop calls it before ``_run_epoch``); in the bundle's epoch the Trainer goes on
-      at the next optimizer step with ``state.global_step``, ``state.epoch`` and its micro
-      step count right. It drops the batches consumed before by index (accelerate's
-      ``SkipBatchSampler``), so no sample of them is loaded, and its RNG reload does
-      nothing (``_load_rng_state``): the rng layer is already in place.
+      ``on_epoch_begin``: the Trainer's loop calls it before ``_run_epoch``). In the
+      bundle's epoch the Trainer goes on at the next optimizer step with
+      ``state.global_step``, ``state.epoch`` and its micro step count right: it is told
+      to resume there (``RESUMED_BY_CKPT``) and drops the batches consumed before by index
+      (accelerate's ``SkipBatchSampler``), so no sample of them is loaded, and its RNG
+      reload does nothing (``_load_rng_state``): the rng layer is already in place.
     - Evaluation loaders get a generator of their own too: an evaluation draws nothing from
       the global RNG, so the one ``eval_on_start`` runs again after a resume shifts nothing.
     - A save is considered after each step's log, evaluation and save
@@ -245,7 +246,8 @@ class CheckpointMixin(_Base):
             if isinstance(callback, CheckpointCallback):
                 return callback
         raise ValueError(
-            "CheckpointMixin needs a CheckpointCallback: Trainer(..., callbacks=[CheckpointCallback(...)])"
+            "CheckpointMixin needs a CheckpointCallback: "
+            "Trainer(..., callbacks=[CheckpointCallback(...)])"
         )
 
     def _data_seed(self) -> int:
