@@ -298,15 +298,29 @@ def _recreate_iterator(trainer: pl.Trainer, loader: DataLoader[Any], *, draws: b
     """Create the fit loop's iterator again at the restored data position.
 
     Creating a DataLoader iterator draws its workers' base seed from ``loader.generator``, or
-    the global generator when that is None. Unless ``draws``, that draw is undone: the
-    restored generator already holds it. (A ``StatefulDataLoader``'s own generator is part
-    of its state, which its restore manages, as ``ckpt.agent.data`` does.)
+    the global generator when that is None. Unless ``draws`` (the next epoch's iterator), that
+    draw is undone: the restored generator already holds it. (A ``StatefulDataLoader``'s own
+    generator is part of its state, which its restore manages, as ``ckpt.agent.data`` does.)
     """
+    stateful = isinstance(loader, Stateful)
+    if draws and stateful:
+        _finish_saved_epoch(loader)
     generator = loader.generator if loader.generator is not None else torch.default_generator
-    undo = not draws and (loader.generator is None or not isinstance(loader, Stateful))
+    undo = not draws and (loader.generator is None or not stateful)
     saved = generator.get_state() if undo else None
     fetcher = trainer.fit_loop._data_fetcher
     assert fetcher is not None
     iter(fetcher)
     if saved is not None:
         generator.set_state(saved)
+
+
+def _finish_saved_epoch(loader: DataLoader[Any]) -> None:
+    """A stateful loader saved after its epoch's last batch resumes that epoch, with nothing
+    left of it (Lightning stops at the known length, before the iterator ends): end it, so
+    that the next iterator starts the next epoch, as the uninterrupted run's did."""
+    if next(iter(loader), None) is not None:
+        raise RuntimeError(
+            "the restored loader has batches left in an epoch the bundle ended: its length "
+            "is not what Lightning counted"
+        )

@@ -7,7 +7,8 @@ epochs; it resumes from the run's latest bundle in ``--store`` if there is one. 
 writes what the tests compare (``ckpt.agent.demo.compare.differences``'s keys, plus the
 fit loop's counters and how many samples the process loaded).
 
-Drills: ``--kill-at STEP`` SIGKILLs the process once the bundle of STEP is durable;
+Drills: ``--kill-at STEP`` SIGKILLs the process once the bundle of STEP is durable (having
+written what it ran until then);
 ``--term-at STEP.MICRO`` sends SIGTERM to itself there (ckpt saves at the next batch end and
 exits 143); ``--scramble-rng`` reseeds the global generators after the resume (a negative
 control: a resume without the rng layer).
@@ -100,8 +101,10 @@ class Tiny(pl.LightningModule):
 class Drills(pl.Callback):
     """Records every micro-batch and fires the drills (after ckpt's callback, in list order)."""
 
-    def __init__(self, args: argparse.Namespace, checkpoint: CheckpointCallback) -> None:
-        self.args, self.checkpoint = args, checkpoint
+    def __init__(
+        self, args: argparse.Namespace, checkpoint: CheckpointCallback, dataset: Samples
+    ) -> None:
+        self.args, self.checkpoint, self.dataset = args, checkpoint, dataset
         self.positions: list[tuple[int, int, int]] = []
         self.lrs: list[float] = []
 
@@ -128,11 +131,29 @@ class Drills(pl.Callback):
         position = (ckpt.counters.step, ckpt.counters.micro_step)
         if position == (self.args.kill_at, 0):
             ckpt.wait()  # the bundle of this step is durable
+            assert isinstance(pl_module, Tiny)
+            write(self.args.out, trainer, pl_module, self, self.dataset)  # what ran until here
             print(f"killed at step {position[0]}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if self.args.term_at is not None and position == self.args.term_at:
             print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def make_loader(kind: str, dataset: Samples) -> DataLoader[Any]:
+    """ckpt's ResumableSampler in a plain DataLoader, or torchdata's StatefulDataLoader
+    (which ckpt takes with at least one worker and its own generator)."""
+    if kind == "sampler":
+        return DataLoader(
+            dataset, batch_size=CONFIG.batch, sampler=ResumableSampler(dataset, seed=0)
+        )
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    generator = torch.Generator().manual_seed(11)
+    stateful: DataLoader[Any] = StatefulDataLoader(
+        dataset, batch_size=CONFIG.batch, shuffle=True, generator=generator, num_workers=1
+    )
+    return stateful
 
 
 def position(text: str) -> tuple[int, int]:
@@ -145,11 +166,12 @@ def main() -> None:
     parser.add_argument("--store", required=True)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--run", default="lightning")
-    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--term-at", type=position, default=None)
     parser.add_argument("--scramble-rng", action="store_true")
+    parser.add_argument("--loader", choices=["sampler", "stateful"], default="sampler")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -158,10 +180,10 @@ def main() -> None:
     np.random.seed(0)
     torch.manual_seed(0)
     dataset = Samples(CONFIG.samples, CONFIG.features, CONFIG.classes)
-    loader = DataLoader(dataset, batch_size=CONFIG.batch, sampler=ResumableSampler(dataset, seed=0))
+    loader = make_loader(args.loader, dataset)
     model = Tiny(CONFIG, max_steps=args.max_steps)
     checkpoint = CheckpointCallback(run=args.run, store=args.store, every_steps=args.every)
-    drills = Drills(args, checkpoint)
+    drills = Drills(args, checkpoint, dataset)
     trainer = pl.Trainer(
         max_steps=args.max_steps,
         accumulate_grad_batches=ACCUMULATION,

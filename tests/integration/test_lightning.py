@@ -2,8 +2,8 @@
 against a run that was never interrupted, bit for bit.
 
 The job (tests/integration/lightning_trainer.py) trains a Linear-ReLU-Dropout-Linear module
-with AdamW, a per-step cosine schedule and ``accumulate_grad_batches=2`` for 30 optimizer
-steps: 6 epochs of 10 batches (5 steps). It kills or signals itself at a chosen position once
+with AdamW, a per-step cosine schedule and ``accumulate_grad_batches=2`` for 20 optimizer
+steps: 4 epochs of 10 batches (5 steps each). It kills or signals itself at a chosen position once
 the bundle it aims at is durable, so nothing here waits on time.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from ckpt.agent.demo.compare import differences
 from ckpt.agent.signals import EXIT_PREEMPTED
@@ -34,6 +35,12 @@ def lightning(store: Path, out: Path, *args: str, expect_rc: int = 0) -> dict[st
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("reference")
     return lightning(root / "store", root / "reference.pt")
+
+
+@pytest.fixture(scope="module")
+def stateful_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("stateful-reference")
+    return lightning(root / "store", root / "reference.pt", "--loader", "stateful")
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +65,24 @@ def assert_same_run(reference: dict[str, Any], resumed: dict[str, Any]) -> None:
     }
 
 
-def test_sigkill_mid_epoch_resumes_bit_exactly_without_replaying_batches(
+def test_sigkill_mid_epoch_then_after_an_epochs_last_batch_resumes_bit_exactly(
     tmp_path: Path, reference: dict[str, Any], killed_mid_epoch: Path
 ) -> None:
-    resumed = lightning(copy(killed_mid_epoch, tmp_path), tmp_path / "resumed.pt")
-    assert resumed["positions"][0] == (12, 2, 4)  # (global step, epoch, batch index)
+    # Resumed from step 12 (mid-epoch) and saving every 5 steps, the job is killed again
+    # right after epoch 2's last batch (step 15): the third process starts epoch 3, whose
+    # iterator the uninterrupted run had not created at that save.
+    store = copy(killed_mid_epoch, tmp_path)
+    every = ("--every", "5")
+    lightning(store, tmp_path / "a.pt", *every, "--kill-at", "15", expect_rc=-9)
+    middle: dict[str, Any] = torch.load(tmp_path / "a.pt", weights_only=True)
+    resumed = lightning(store, tmp_path / "resumed.pt", *every)
+    assert middle["positions"][0] == (12, 2, 4)  # (global step, epoch, batch index)
+    assert resumed["positions"][0] == (15, 3, 0)
     assert_same_run(reference, resumed)
-    # Each consumed batch loaded once: the 12 batches of epoch 2 before the kill are not.
-    assert resumed["loaded"] == len(resumed["positions"]) * BATCH
-    assert reference["loaded"] - resumed["loaded"] == (2 * 10 + 4) * BATCH
+    # Every consumed batch was loaded once: none of those before a kill again.
+    for run in (middle, resumed):
+        assert run["loaded"] == len(run["positions"]) * BATCH
+    assert reference["loaded"] - resumed["loaded"] == 15 * 2 * BATCH
 
 
 def test_resuming_without_the_rng_layer_differs(
@@ -81,33 +97,30 @@ def test_resuming_without_the_rng_layer_differs(
     assert any(item.startswith("parameter/buffer") for item in found), found
 
 
-def test_sigkill_after_an_epochs_last_batch_resumes_with_the_next_epoch(
+def test_a_stateful_dataloader_killed_twice_in_a_chain_resumes_bit_exactly(
+    tmp_path: Path, stateful_reference: dict[str, Any]
+) -> None:
+    # torchdata's StatefulDataLoader (one worker) keeps its own position: killed mid-epoch
+    # at step 12, then, resumed and saving every 5 steps, right after epoch 2's last batch
+    # at step 15, where the loader's state still holds the epoch it finished.
+    store, job = tmp_path / "store", ("--loader", "stateful")
+    lightning(store, tmp_path / "a.pt", *job, "--kill-at", "12", expect_rc=-9)
+    lightning(store, tmp_path / "b.pt", *job, "--every", "5", "--kill-at", "15", expect_rc=-9)
+    resumed = lightning(store, tmp_path / "resumed.pt", *job)
+    assert resumed["positions"][0] == (15, 3, 0)
+    assert_same_run(stateful_reference, resumed)
+
+
+def test_sigterm_saves_exits_143_and_resumes_bit_exactly(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    # Saved every 5 steps, at the end of every epoch: the resumed run creates the next
-    # epoch's iterator (the uninterrupted run had not) and runs its start hooks.
+    # The job signals itself at the batch end of step 18 (after 4 periodic saves measured
+    # what a save costs); ckpt saves at a later batch end (the next, unless its watcher
+    # thread is slower than a batch), mid-accumulation, with the gradients to restore, and
+    # exits 143 (Lightning's own handler would stop the loop first and exit 0).
     store = tmp_path / "store"
-    lightning(store, tmp_path / "a.pt", "--every", "5", "--kill-at", "15", expect_rc=-9)
-    resumed = lightning(store, tmp_path / "resumed.pt", "--every", "5")
-    assert resumed["positions"][0] == (15, 3, 0)
-    assert_same_run(reference, resumed)
-
-
-@pytest.mark.parametrize(
-    "signal_at",
-    ["17.1", "18.0"],
-    ids=["next-boundary-completes-a-step", "next-boundary-mid-accumulation"],
-)
-def test_sigterm_saves_exits_143_and_resumes_bit_exactly(
-    tmp_path: Path, reference: dict[str, Any], signal_at: str
-) -> None:
-    # The job signals itself at a batch end; ckpt saves at a later one (the next, unless its
-    # watcher thread is slower than a batch), whether a step completed there or it sits
-    # mid-accumulation with gradients to restore.
-    store = tmp_path / "store"
-    lightning(store, tmp_path / "a.pt", "--term-at", signal_at, expect_rc=EXIT_PREEMPTED)
+    lightning(store, tmp_path / "a.pt", "--term-at", "18.0", expect_rc=EXIT_PREEMPTED)
     resumed = lightning(store, tmp_path / "resumed.pt")
-    step, micro = (int(part) for part in signal_at.split("."))
-    first_step, _, first_batch = resumed["positions"][0]
-    assert first_step * 2 + first_batch % 2 > step * 2 + micro  # saved after the signal
+    step, _, batch = resumed["positions"][0]
+    assert (step, batch % 2) > (18, 0)  # saved after the signal
     assert_same_run(reference, resumed)
