@@ -69,6 +69,7 @@ from typing import Any, TypedDict, Unpack
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -202,9 +203,7 @@ class CheckpointCallback(pl.Callback):
         for parameter, grad in pending.grads.items():  # Trainer._run_stage zeroed them
             parameter.grad = grad
         if pending.next_epoch:
-            # Lightning restarts the next epoch as if mid-epoch, skipping its start: the
-            # epoch progress and on_train_epoch_start hooks then run as they did uninterrupted.
-            trainer.fit_loop.reset_restart_stage()
+            _start_next_epoch(trainer)
 
     def _own_sigterm(self, trainer: pl.Trainer) -> None:
         """Take SIGTERM back from Lightning's handler, which it put over ckpt's after
@@ -264,7 +263,9 @@ class CheckpointCallback(pl.Callback):
         if ckpt is None:
             return
         try:
-            if not isinstance(exception, SystemExit):  # SystemExit: preempted, ended already
+            if isinstance(exception, SIGTERMException):  # Lightning's stop: ckpt handles no signals
+                ckpt.end("preempted")
+            elif not isinstance(exception, SystemExit):  # ckpt's SystemExit: ended already
                 ckpt.end("failed")
         finally:
             ckpt.close()  # gives the signals back to the handlers before ckpt's
@@ -277,6 +278,24 @@ class CheckpointCallback(pl.Callback):
         if self.checkpointer is None:
             raise RuntimeError("CheckpointCallback: the Checkpointer exists from on_fit_start")
         return self.checkpointer
+
+
+def _start_next_epoch(trainer: pl.Trainer) -> None:
+    """Restored after an epoch's last batch, go on as the uninterrupted run did: with a new
+    epoch, not a restart in the middle of one.
+
+    Lightning would restart the next epoch as if mid-epoch: skip its start (the epoch
+    progress and the ``on_train_epoch_start`` hooks) and, at its first batch (index -1 + 1),
+    fast-forward a validation it takes as due, creating the validation iterator, which draws
+    from the global generator. So the epoch loop's restart bookkeeping runs now, once, and
+    the loops then run a fresh epoch.
+    """
+    fit_loop = trainer.fit_loop
+    fit_loop.reset_restart_stage()
+    epoch_loop = fit_loop.epoch_loop
+    epoch_loop.reset()  # the restart's counting of the saved batch, as Lightning does it
+    epoch_loop.reset_restart_stage()
+    epoch_loop.restarting = False
 
 
 def _train_loader(trainer: pl.Trainer) -> DataLoader[Any]:

@@ -3,7 +3,7 @@
 ``python -m tests.integration.lightning_trainer --store DIR --out FILE [...]`` trains a
 Linear-ReLU-Dropout-Linear module built from ``CONFIG`` (no download) on a synthetic
 dataset, with AdamW, a per-step cosine schedule and gradient accumulation 2, for several
-epochs; it resumes from the run's latest bundle in ``--store`` if there is one. At the end it
+epochs, validating every 4 batches; it resumes from the run's latest bundle in ``--store`` if there is one. At the end it
 writes what the tests compare (``ckpt.agent.demo.compare.differences``'s keys, plus the
 fit loop's counters and how many samples the process loaded).
 
@@ -50,6 +50,7 @@ class Config:
 
 CONFIG = Config()
 ACCUMULATION = 2
+VALIDATE_EVERY = 4  # batches: validation runs inside the epochs, right after some saves
 
 
 class Samples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -88,6 +89,10 @@ class Tiny(pl.LightningModule):
         loss = nn.functional.cross_entropy(self.net(inputs), labels)
         self.losses.append(loss.detach().clone())
         return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        inputs, labels = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(inputs), labels))
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -193,9 +198,11 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        val_check_interval=VALIDATE_EVERY,
         callbacks=[checkpoint, drills],
     )
-    trainer.fit(model, loader)
+    validation = DataLoader(Samples(8, CONFIG.features, CONFIG.classes), batch_size=CONFIG.batch)
+    trainer.fit(model, loader, validation)
     write(args.out, trainer, model, drills, dataset)
 
 
