@@ -28,7 +28,8 @@ every one of those moments:
 ``on_train_start``
     Lightning zeroes the gradients between ``on_fit_start`` and the loop
     (``Trainer._run_stage``); a bundle saved mid-accumulation holds gradients, so they are put
-    back here.
+    back here. A bundle saved after an epoch's last batch goes on with a fresh next epoch
+    (``_start_next_epoch``), not with Lightning's mid-epoch restart of it.
 ``on_train_batch_end``
     The batch is consumed: the data position and the counters advance, and
     ``Checkpointer.maybe_save`` saves when the policy says (``every_steps`` only once an
@@ -51,6 +52,11 @@ Data. The train loader must resume by itself: a ``DataLoader`` with ckpt's
 for bit-exactness"); other loaders are refused with advice. Lightning's fetcher does not
 prefetch from a loader whose length it knows, so the batch handed to the step is the last
 one consumed.
+
+Validation inside an epoch (``val_check_interval``) is resumed as Lightning resumes its own
+checkpoints: a validation due right after the saved batch is not run by the resumed process
+(Lightning fast-forwards it), though its iterator is created, so the random streams stay
+those of the uninterrupted run.
 
 The callback reaches into private parts of Lightning 2.x: ``FitLoop._data_fetcher`` and
 ``_combined_loader`` (the loader and its iterator) and ``Trainer._signal_connector`` (its
