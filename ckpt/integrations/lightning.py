@@ -141,7 +141,8 @@ class CheckpointCallback(pl.Callback):
             ``CKPT_*`` environment variables work as usual.
 
     Raises (from ``trainer.fit``):
-        ValueError: more than one train loader, or one that cannot resume (says what to change).
+        ValueError: more than one train loader, or one that cannot resume (says what to
+            change); or a checkpoint path given to ``fit`` while the run has a bundle.
     """
 
     def __init__(self, *, run: str | None = None, **options: Unpack[CheckpointerOptions]) -> None:
@@ -168,10 +169,15 @@ class CheckpointCallback(pl.Callback):
         self.checkpointer = ckpt
         self.resumed = ckpt.resume()
         if self.resumed.resumed:
+            if trainer.ckpt_path is not None:
+                raise ValueError(
+                    f"run {ckpt.config.run} resumed from {self.resumed.bundle}; Lightning would "
+                    f"then restore {trainer.ckpt_path} over it: leave out fit's checkpoint path"
+                )
             self._restore_loop(trainer, ckpt, loader)
         self._last_step = trainer.global_step
-        if ckpt.config.handle_signals:
-            self._sigterm = signal.getsignal(signal.SIGTERM)
+        handler = signal.getsignal(signal.SIGTERM)
+        self._sigterm = handler if ckpt.config.handle_signals else None
 
     def _restore_loop(
         self, trainer: pl.Trainer, ckpt: Checkpointer, loader: DataLoader[Any]
