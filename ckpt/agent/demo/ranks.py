@@ -12,6 +12,7 @@ uninterrupted run (``ckpt.agent.demo.compare``).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import signal
@@ -242,6 +243,17 @@ def final_state(job: Job) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     dist.init_process_group("gloo")
+    run(args)
+    # FSDP keeps the work of its last collectives, tensors included, and the checkpointer its
+    # own process groups: freed now, while the interpreter is whole. Left to its exit, a gloo
+    # rank may abort (SIGABRT, "terminate called without an active exception"), as one did
+    # in our suite: pytorch/pytorch#179291.
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Build the job, resume, train and end the attempt."""
     job = build(args)
     result = job.ckpt.resume()
     if result.resumed:
@@ -253,7 +265,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.save(final_state(job), f"{args.out}.rank{dist.get_rank()}")
     job.ckpt.end()
     job.ckpt.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
