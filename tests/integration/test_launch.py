@@ -479,9 +479,12 @@ from pathlib import Path
 
 state, plan = Path(sys.argv[1]), sys.argv[2]
 rank = os.environ["RANK"]
-(state / f"rank-{rank}").write_text(str(os.getpid()))
 if plan == "deaf":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+# Deaf before it says it runs, and the pid file appears whole (a rename): the test reads
+# it as soon as it exists.
+(state / f".rank-{rank}").write_text(str(os.getpid()))
+(state / f".rank-{rank}").rename(state / f"rank-{rank}")
 if plan == "crash" and rank == "1":
     sys.exit(3)
 time.sleep(60)  # a signal ends it sooner; an orphan of a failed test, no later
