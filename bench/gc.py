@@ -7,7 +7,8 @@ A throwaway database gets ``--runs`` runs of ``--bundles`` bundles each in bulk
 pass is timed in-process three ways: as a server without a retention policy runs it (only
 runs with a policy of their own are retained: none here), with a server-wide
 ``keep_last=10`` as a dry run (every run's bundles weighed, nothing deleted), and that
-dry run again. The seeded bundles have no layers, so the sweep finds no blob: what is
+dry run again; ``--delete`` ends with two real passes (the first deletes the backlog,
+the second finds nothing to do). The seeded bundles have no layers, so the sweep finds no blob: what is
 timed is expiry and retention.
 
 ``--latency`` then starts a real ``ckpt server`` on that catalog and times
@@ -154,6 +155,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5_000)
     parser.add_argument("--bundles", type=int, default=50)
     parser.add_argument("--latency", action="store_true", help="also time /resumable during GC")
+    parser.add_argument(
+        "--delete",
+        action="store_true",
+        help="last, two real passes with keep_last=10: the backlog's, then the next one",
+    )
     args = parser.parse_args()
     shape = Shape(runs=args.runs, bundles_per_run=args.bundles, big_bundles=0)
     with throwaway_database(args.postgres) as url, tempfile.TemporaryDirectory() as tmp:
@@ -169,6 +175,9 @@ def main() -> None:
         timed_pass(url, store, keep_last=10, dry_run=True)
         if args.latency:
             latency(url, Path(tmp))
+        if args.delete:
+            timed_pass(url, store, keep_last=10, dry_run=False)  # the backlog: deletes
+            timed_pass(url, store, keep_last=10, dry_run=False)  # the pass after it
 
 
 if __name__ == "__main__":

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
+from sqlalchemy import event
 
 from ckpt.core.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, TensorEntry
 from ckpt.core.storage import DirectoryStore, keys
+
+if TYPE_CHECKING:
+    from tests.service.conftest import Server
 
 VERSIONS = {"ckpt": "0.1.0", "python": "3.11", "torch": "2.13.0"}
 
@@ -104,3 +109,19 @@ def save(
     assert done.status_code == 200, done.text
     bundle: dict[str, Any] = done.json()["bundle"]
     return bundle
+
+
+def statements(server: Server, action: Callable[[], object]) -> int:
+    """How many SQL statements ``action`` made the control plane run."""
+    count = 0
+
+    def counted(*_: Any) -> None:
+        nonlocal count
+        count += 1
+
+    event.listen(server.context.engine, "before_cursor_execute", counted)
+    try:
+        action()
+    finally:
+        event.remove(server.context.engine, "before_cursor_execute", counted)
+    return count

@@ -26,9 +26,17 @@ from ckpt.service.bundles.blobs import stored_sizes
 from ckpt.service.gc import repository as gc_repository
 from ckpt.service.gc import service as gc_service
 from ckpt.service.gc.service import GcReport, collect
-from ckpt.service.models import Blob, Layer, LayerBlob, utcnow
+from ckpt.service.models import Blob, Layer, LayerBlob, Run, utcnow
 from tests.service.conftest import MakeServer, Server
-from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
+from tests.service.helpers import (
+    commit,
+    make_layer,
+    open_bundle,
+    record,
+    register,
+    save,
+    statements,
+)
 
 HOUR = timedelta(hours=1)
 
@@ -159,11 +167,54 @@ def test_a_server_wide_policy_visits_only_runs_with_more_than_it_always_keeps(
             save_steps(server, client, run, register(client, run), steps)
         set_keep(client, "own", keep_last=1)  # a policy of its own: always visited
         with server.context.transaction() as session:
-            assert gc_repository.run_names(session, server_keeps=2) == ["many", "own"]
-            assert gc_repository.run_names(session, server_keeps=None) == ["own"]
+            by_name = {name: run_id for name, run_id in session.execute(select(Run.name, Run.id))}
+            assert gc_repository.run_ids(session, server_keeps=2) == [
+                by_name["many"],
+                by_name["own"],
+            ]
+            assert gc_repository.run_ids(session, server_keeps=None) == [by_name["own"]]
         report = collect(server.context)
         assert len(report.deleted_bundles) == 1  # "many"'s oldest; "few" was not even read
         assert statuses(client, "few") == dict.fromkeys(statuses(client, "few"), "complete")
+
+
+def test_retention_weighs_runs_in_batches_and_leaves_a_run_being_committed_for_later(
+    make_server: MakeServer, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of runs costs the same few queries however many runs it holds; batches add
+    up to the whole; a run whose row another transaction holds (a commit) waits for the
+    next pass instead of stalling this one."""
+    server = make_server(backend, keep_last=1)
+    with server.client() as client:
+
+        def dry_pass() -> int:
+            return statements(server, lambda: collect(server.context, dry_run=True))
+
+        saved = {"a": save_steps(server, client, "a", register(client, "a"), [1, 2, 3])}
+        one_run = dry_pass()
+        for run in "bcde":
+            saved[run] = save_steps(server, client, run, register(client, run), [1, 2, 3])
+        assert dry_pass() == one_run  # five runs in one batch
+        monkeypatch.setattr(gc_service, "_RUNS_AT_ONCE", 2)  # a, b | c, d | e
+        assert dry_pass() > one_run
+        oldest = {run: [b["id"] for b in bundles[:2]] for run, bundles in saved.items()}
+        if backend == "postgres":  # SQLite's transactions lock the whole file instead
+            with server.context.transaction() as session:
+                session.execute(select(Run).where(Run.name == "c").with_for_update())
+                report = collect(server.context)
+            assert sorted(report.deleted_bundles) == sorted(
+                i for run in "abde" for i in oldest[run]
+            )
+        report = collect(server.context)
+        assert sorted(report.deleted_bundles) == sorted(
+            oldest["c"] if backend == "postgres" else [i for ids in oldest.values() for i in ids]
+        )
+        for run, bundles in saved.items():
+            assert statuses(client, run) == {
+                bundles[0]["id"]: "deleted",
+                bundles[1]["id"]: "deleted",
+                bundles[2]["id"]: "complete",
+            }
 
 
 def test_pinned_and_keep_every_are_kept(

@@ -9,14 +9,14 @@ from datetime import timedelta
 from typing import Any
 
 import httpx
-from sqlalchemy import event, func, select
+from sqlalchemy import func, select
 
 from ckpt.service import lineage
 from ckpt.service.models import Attempt, Bundle, Run, RunActivity, utcnow
 from ckpt.service.runs.attempts import mark_lost
 from ckpt.service.runs.repository import attempt_nodes
 from tests.service.conftest import Server
-from tests.service.helpers import register, save
+from tests.service.helpers import register, save, statements
 
 
 def figures(server: Server, run: str) -> dict[str, Any]:
@@ -98,22 +98,6 @@ def test_the_kept_figures_follow_every_write(server: Server, run_name: str) -> N
         check(server, run, state="training", attempts=3, steps_lost=21, steps_computed=31)
         end(client, third, "finished", 10)
         check(server, run, state="finished", preemptions=1, steps_lost=21, bundles=1)
-
-
-def statements(server: Server, action: Any) -> int:
-    """How many SQL statements ``action`` made the control plane run."""
-    count = 0
-
-    def counted(*_: Any) -> None:
-        nonlocal count
-        count += 1
-
-    event.listen(server.context.engine, "before_cursor_execute", counted)
-    try:
-        action()
-    finally:
-        event.remove(server.context.engine, "before_cursor_execute", counted)
-    return count
 
 
 def test_a_page_of_runs_costs_what_one_run_does(server: Server) -> None:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from sqlalchemy import select
+from collections.abc import Collection
+
+from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from ckpt.service.models import BundleEvent, utcnow
@@ -26,6 +28,37 @@ def add_event(
             status=status,
             reason=reason,
         )
+    )
+
+
+def add_events(
+    session: Session,
+    *,
+    bundles: Collection[tuple[int, int]],
+    actor: str,
+    action: str,
+    status: str,
+    reason: str | None,
+) -> None:
+    """The same event for many bundles (``bundles``: their ids and runs' ids), in one
+    statement."""
+    if not bundles:
+        return
+    at = utcnow()
+    session.execute(
+        insert(BundleEvent),
+        [
+            {
+                "bundle_id": bundle_id,
+                "run_id": run_id,
+                "at": at,
+                "actor": actor,
+                "action": action,
+                "status": status,
+                "reason": reason,
+            }
+            for bundle_id, run_id in bundles
+        ],
     )
 
 

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection
 from datetime import datetime
+from typing import NamedTuple
 
-from sqlalchemy import delete, func, or_, select
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ckpt.service.models import LIVE_STATUSES, Blob, Bundle, BundleStatus, Layer, LayerBlob, Run
 from ckpt.service.retention import Kept
+from ckpt.service.runs.repository import resumable_walk
 from ckpt.service.sql import insert
 
 
@@ -24,11 +27,11 @@ def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list
     return list(session.scalars(query))
 
 
-def run_names(session: Session, *, server_keeps: int | None) -> list[str]:
-    """The runs retention visits: those with a retention policy of their own and, with a
-    server-wide policy that always keeps the newest ``server_keeps`` bundles, those with
-    more complete (or more quarantined) bundles than that; any other run keeps everything.
-    """
+def run_ids(session: Session, *, server_keeps: int | None) -> list[int]:
+    """The runs retention visits, by id: those with a retention policy of their own and,
+    with a server-wide policy that always keeps the newest ``server_keeps`` bundles, those
+    with more complete (or more quarantined) bundles than that; any other run keeps
+    everything."""
     own = or_(Run.keep_last.is_not(None), Run.keep_every.is_not(None))
     if server_keeps is not None:
         crowded = (
@@ -38,7 +41,27 @@ def run_names(session: Session, *, server_keeps: int | None) -> list[str]:
             .having(func.count() > server_keeps)
         )
         own = or_(own, Run.id.in_(crowded))
-    return list(session.scalars(select(Run.name).where(own).order_by(Run.name)))
+    return list(session.scalars(select(Run.id).where(own).order_by(Run.id)))
+
+
+def runs_by_id(session: Session, *, ids: Collection[int], lock: bool) -> list[Run]:
+    """These runs, by id (``lock``: locked for update, in id order; those another
+    transaction holds, such as a commit, are left for the next pass)."""
+    query = select(Run).where(Run.id.in_(sorted(ids))).order_by(Run.id)
+    if lock:
+        query = query.with_for_update(skip_locked=True)
+    return list(session.scalars(query))
+
+
+def resumable_ids(session: Session, *, run_ids: Collection[int]) -> dict[int, int]:
+    """The bundle each of these runs resumes from (``lineage.resumable``), by run id: one
+    recursive query for all of them."""
+    walk = resumable_walk()
+    rows = session.execute(
+        select(walk.c.run_id, walk.c.id).where(walk.c.status == BundleStatus.COMPLETE),
+        {"run_ids": sorted(run_ids)},
+    )
+    return {run_id: bundle_id for run_id, bundle_id in rows}
 
 
 # Bundles whose blobs garbage collection keeps: the live ones, and quarantined ones (an
@@ -46,21 +69,64 @@ def run_names(session: Session, *, server_keeps: int | None) -> list[str]:
 KEPT_STATUSES = (*LIVE_STATUSES, BundleStatus.QUARANTINED)
 
 
-def kept_in(session: Session, *, run_id: int, status: str) -> list[Kept]:
-    """The run's bundles in ``status``, as retention sees them (the columns it needs only)."""
+def kept_in(session: Session, *, run_ids: Collection[int]) -> dict[tuple[int, str], list[Kept]]:
+    """These runs' complete and quarantined bundles as retention sees them (the columns it
+    needs only), by run id and status."""
     rows = session.execute(
         select(
+            Bundle.run_id,
+            Bundle.status,
             Bundle.id,
             Bundle.step,
             func.coalesce(Bundle.committed_at, Bundle.created_at),
             Bundle.pinned,
-        ).where(Bundle.run_id == run_id, Bundle.status == status)
+        ).where(
+            Bundle.run_id.in_(sorted(run_ids)),
+            Bundle.status.in_((BundleStatus.COMPLETE, BundleStatus.QUARANTINED)),
+        )
     )
-    return [Kept(*row) for row in rows]
+    found: dict[tuple[int, str], list[Kept]] = defaultdict(list)
+    for run_id, status, bundle_id, step, committed_at, pinned in rows:
+        found[run_id, status].append(Kept(bundle_id, step, committed_at, pinned))
+    return found
 
 
-def bundles_by_id(session: Session, *, ids: Collection[int]) -> list[Bundle]:
-    return list(session.scalars(select(Bundle).where(Bundle.id.in_(sorted(ids)))))
+class Doomed(NamedTuple):
+    """A bundle retention deletes, as its deletion needs it."""
+
+    id: int
+    run_id: int
+    step: int
+
+
+def doomed_bundles(session: Session, *, ids: Collection[int]) -> list[Doomed]:
+    rows = session.execute(
+        select(Bundle.id, Bundle.run_id, Bundle.step).where(Bundle.id.in_(sorted(ids)))
+    )
+    return [Doomed(*row) for row in rows]
+
+
+def steps_shared(session: Session, *, bundles: Collection[Doomed]) -> set[tuple[int, int]]:
+    """The (run id, step) of these bundles that another bundle of the same run also has (a
+    fork saved the step again): its manifest may be the other bundle's."""
+    ids = {b.id for b in bundles}
+    pairs = {(b.run_id, b.step) for b in bundles}
+    rows = session.execute(
+        select(Bundle.run_id, Bundle.step, Bundle.id).where(
+            Bundle.run_id.in_(sorted({run_id for run_id, _ in pairs})),
+            Bundle.step.in_(sorted({step for _, step in pairs})),
+        )
+    )
+    return {(run_id, step) for run_id, step, bundle_id in rows if bundle_id not in ids} & pairs
+
+
+def mark_deleted(session: Session, *, ids: Collection[int], reason: str) -> None:
+    session.execute(
+        update(Bundle)
+        .where(Bundle.id.in_(sorted(ids)))
+        .values(status=BundleStatus.DELETED, reason=reason)
+        .execution_options(synchronize_session=False)
+    )
 
 
 def live_references(session: Session, *, shas: Collection[str] | None = None) -> set[str]:
