@@ -17,10 +17,9 @@ the bundle was opened (``isolation.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -32,15 +31,14 @@ from ckpt.service.auth.service import Principal
 from ckpt.service.bundles import damage, isolation, repository
 from ckpt.service.bundles.blobs import stored_blobs
 from ckpt.service.bundles.fencing import check_epoch, for_write
-from ckpt.service.bundles.schemas import Commit, Committed
-from ckpt.service.bundles.service import bundle_out
+from ckpt.service.bundles.schemas import Commit, Committed, RecordedLayer
+from ckpt.service.bundles.service import bundle_out, recorded_layers
 from ckpt.service.completeness import BlobProblem, StoredBlob
 from ckpt.service.context import Context
 from ckpt.service.errors import ConflictError, IncompleteError, StoreUnavailableError
 from ckpt.service.events import service as events
 from ckpt.service.events.schemas import Action
 from ckpt.service.models import Attempt, Bundle, BundleStatus, Run, utcnow
-from ckpt.service.models import Layer as LayerRow
 from ckpt.service.runs.service import catalog_nodes, node
 from ckpt.service.sql import Lock
 
@@ -93,7 +91,10 @@ class _Plan:
     """What a commit must check: the recorded layers and the blobs they reference."""
 
     records: dict[tuple[int, Layer], LayerRecord]
-    recorded: dict[tuple[int, str], Any]  # the records as stored: compared under the lock
+    # Each recorded layer's row: compared under the lock (a record is never changed once
+    # inserted, so a layer recorded since is a row not in this).
+    layer_ids: dict[tuple[int, str], int]
+    recorded: list[RecordedLayer]  # as the answer shows them
     sizes: dict[str, int]  # every referenced blob
     verified: frozenset[str]  # those the service found whole before, and not damaged since
     damaged: frozenset[str]  # those found damaged and not found whole since
@@ -102,11 +103,8 @@ class _Plan:
 
 
 def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -> _Plan:
-    recorded = _recorded(repository.layers_of(session, bundle_id=bundle.id))
-    records = {
-        (rank, Layer(layer)): LayerRecord.model_validate(record)
-        for (rank, layer), record in recorded.items()
-    }
+    rows = repository.layers_of(session, bundle_id=bundle.id)
+    records = {(row.rank, Layer(row.layer)): LayerRecord.model_validate(row.record) for row in rows}
     sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
     known = repository.blob_health(session, shas=sizes)
     verified = frozenset(sha for sha, blob in known.items() if damage.trusted(blob))
@@ -118,17 +116,14 @@ def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -
     )
     return _Plan(
         records=records,
-        recorded=recorded,
+        layer_ids={(row.rank, row.layer): row.id for row in rows},
+        recorded=recorded_layers(rows),
         sizes=sizes,
         verified=verified,
         damaged=damaged,
         unproven=unproven,
         opened_at=bundle.created_at,
     )
-
-
-def _recorded(rows: Iterable[LayerRow]) -> dict[tuple[int, str], Any]:
-    return {(row.rank, row.layer): row.record for row in rows}
 
 
 def _mark_damage_found(
@@ -183,8 +178,7 @@ def _finish_commit(
         if bundle.status == BundleStatus.COMPLETE:
             return _committed(session, bundle, run)
         _check_pending(bundle)
-        layers = repository.layers_of(session, bundle_id=bundle.id)
-        if _recorded(layers) != plan.recorded:
+        if repository.layer_ids(session, bundle_id=bundle.id) != plan.layer_ids:
             return None
         # The blobs' rows stay locked until the bundle is complete: a blob found damaged
         # meanwhile waits, then quarantines it; one found damaged since the store was read
@@ -212,7 +206,7 @@ def _finish_commit(
             manifest=manifest,
             actor=principal.actor,
         )
-        return _committed(session, bundle, run, layers=layers, manifest=manifest)
+        return _committed(session, bundle, run, recorded=plan.recorded, manifest=manifest)
 
 
 def _check_complete(
@@ -280,11 +274,11 @@ def _committed(
     bundle: Bundle,
     run: Run,
     *,
-    layers: Sequence[LayerRow] | None = None,
+    recorded: Sequence[RecordedLayer] | None = None,
     manifest: Manifest | None = None,
 ) -> Committed:
     return Committed(
-        bundle=bundle_out(session, bundle, run, layers=layers, manifest=manifest),
+        bundle=bundle_out(session, bundle, run, recorded=recorded, manifest=manifest),
         head_id=run.head_bundle_id,
     )
 

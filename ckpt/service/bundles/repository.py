@@ -66,6 +66,14 @@ def layers_of(session: Session, *, bundle_id: int) -> list[Layer]:
     )
 
 
+def layer_ids(session: Session, *, bundle_id: int) -> dict[tuple[int, str], int]:
+    """The bundle's recorded layers' rows, by rank and layer (ids only: no record)."""
+    rows = session.execute(
+        select(Layer.rank, Layer.layer, Layer.id).where(Layer.bundle_id == bundle_id)
+    )
+    return {(rank, layer): layer_id for rank, layer, layer_id in rows}
+
+
 def get_layer(session: Session, *, bundle_id: int, rank: int, layer: str) -> Layer | None:
     return session.scalar(
         select(Layer).where(Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer == layer)

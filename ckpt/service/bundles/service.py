@@ -5,7 +5,7 @@ quarantining one ``quarantine.py``'s; who may write to one is ``fencing.py``'s.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -210,17 +210,16 @@ def bundle_out(
     bundle: Bundle,
     run: Run,
     *,
-    layers: Sequence[models.Layer] | None = None,
+    recorded: Sequence[RecordedLayer] | None = None,
     manifest: Manifest | None = None,
 ) -> BundleOut:
-    """The bundle as the API shows it; ``layers`` (its rows) and ``manifest`` (its validated
-    manifest) when the caller has them already (a commit of 1,000 blobs spent 11% of its
-    time reading and validating them again)."""
-    if layers is None:
-        layers = repository.layers_of(session, bundle_id=bundle.id)
+    """The bundle as the API shows it; ``recorded`` (its layers) and ``manifest`` (its
+    validated manifest) when the caller has them already (a commit of 1,000 blobs spent 11%
+    of its time reading and validating them again)."""
+    if recorded is None:
+        recorded = recorded_layers(repository.layers_of(session, bundle_id=bundle.id))
     if manifest is None and bundle.manifest:
         manifest = Manifest.model_validate(bundle.manifest)
-    recorded = {(row.rank, Layer(row.layer)) for row in layers}
     return BundleOut(
         id=bundle.id,
         run=run.name,
@@ -233,21 +232,28 @@ def bundle_out(
         pinned=bundle.pinned,
         created_at=bundle.created_at,
         committed_at=bundle.committed_at,
-        recorded=[
-            RecordedLayer(
-                rank=row.rank,
-                layer=Layer(row.layer),
-                payload_bytes=row.payload_bytes,
-                num_blobs=len(row.record.get("blobs", [])),
-            )
-            for row in layers
-        ],
-        missing_layers=completeness.missing_layers(world_size=bundle.world_size, recorded=recorded),
+        recorded=list(recorded),
+        missing_layers=completeness.missing_layers(
+            world_size=bundle.world_size, recorded={(r.rank, r.layer) for r in recorded}
+        ),
         manifest=manifest,
         saves=[
             SaveOut.model_validate(row) for row in repository.saves_of(session, bundle_id=bundle.id)
         ],
     )
+
+
+def recorded_layers(rows: Iterable[models.Layer]) -> list[RecordedLayer]:
+    """The layers as a bundle shows them: which, their bytes and their number of blobs."""
+    return [
+        RecordedLayer(
+            rank=row.rank,
+            layer=Layer(row.layer),
+            payload_bytes=row.payload_bytes,
+            num_blobs=len(row.record.get("blobs", [])),
+        )
+        for row in rows
+    ]
 
 
 def _insert_layer(
