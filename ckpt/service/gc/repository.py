@@ -3,9 +3,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Collection
 from datetime import datetime
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import Table, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ckpt.service.models import LIVE_STATUSES, Blob, Bundle, BundleStatus, Layer, LayerBlob, Run
@@ -99,34 +99,29 @@ class Doomed(NamedTuple):
     step: int
 
 
-def doomed_bundles(session: Session, *, ids: Collection[int]) -> list[Doomed]:
+def mark_deleted(session: Session, *, ids: Collection[int], reason: str) -> list[Doomed]:
+    """Mark these bundles deleted: what the rest of their deletion needs of them (a Core
+    statement: the ORM's bulk path cost more than the update)."""
+    table = cast(Table, Bundle.__table__)
     rows = session.execute(
-        select(Bundle.id, Bundle.run_id, Bundle.step).where(Bundle.id.in_(sorted(ids)))
+        update(table)
+        .where(table.c.id.in_(sorted(ids)))
+        .values(status=BundleStatus.DELETED, reason=reason)
+        .returning(table.c.id, table.c.run_id, table.c.step)
     )
     return [Doomed(*row) for row in rows]
 
 
-def steps_shared(session: Session, *, bundles: Collection[Doomed]) -> set[tuple[int, int]]:
-    """The (run id, step) of these bundles that another bundle of the same run also has (a
-    fork saved the step again): its manifest may be the other bundle's."""
+def steps_shared(session: Session, *, run_id: int, bundles: Collection[Doomed]) -> set[int]:
+    """The steps of these bundles of one run that another bundle of it also has (a fork saved
+    the step again): their manifest may be the other bundle's."""
     ids = {b.id for b in bundles}
-    pairs = {(b.run_id, b.step) for b in bundles}
     rows = session.execute(
-        select(Bundle.run_id, Bundle.step, Bundle.id).where(
-            Bundle.run_id.in_(sorted({run_id for run_id, _ in pairs})),
-            Bundle.step.in_(sorted({step for _, step in pairs})),
+        select(Bundle.step, Bundle.id).where(
+            Bundle.run_id == run_id, Bundle.step.in_(sorted({b.step for b in bundles}))
         )
     )
-    return {(run_id, step) for run_id, step, bundle_id in rows if bundle_id not in ids} & pairs
-
-
-def mark_deleted(session: Session, *, ids: Collection[int], reason: str) -> None:
-    session.execute(
-        update(Bundle)
-        .where(Bundle.id.in_(sorted(ids)))
-        .values(status=BundleStatus.DELETED, reason=reason)
-        .execution_options(synchronize_session=False)
-    )
+    return {step for step, bundle_id in rows if bundle_id not in ids}
 
 
 def live_references(session: Session, *, shas: Collection[str] | None = None) -> set[str]:

@@ -120,11 +120,10 @@ def _retain(context: Context, run_ids: list[int], *, dry_run: bool) -> list[int]
         every = [bundle_id for ids in doomed.values() for bundle_id in ids]
         if dry_run:
             return every
-        names = {run.id: run.name for run in runs}
         for run in runs:
             ids = doomed[run.id]
             for start in range(0, len(ids), _BATCH):
-                _delete(context, session, names, ids[start : start + _BATCH], policies[run.id])
+                _delete(context, session, run, ids[start : start + _BATCH], policies[run.id])
         return every
 
 
@@ -161,17 +160,12 @@ class _Policy:
 
 
 def _delete(
-    context: Context,
-    session: Session,
-    names: Mapping[int, str],
-    ids: Sequence[int],
-    policy: _Policy,
+    context: Context, session: Session, run: Run, ids: Sequence[int], policy: _Policy
 ) -> None:
-    """Delete these bundles (one policy's): a few statements however many, and their
-    manifests from the store."""
+    """Delete these bundles of ``run``: three statements however many, and their manifests
+    from the store."""
     reason = f"retention ({policy})"
-    bundles = repository.doomed_bundles(session, ids=ids)
-    repository.mark_deleted(session, ids=ids, reason=reason)
+    bundles = repository.mark_deleted(session, ids=ids, reason=reason)
     events_repository.add_events(
         session,
         bundles=[(b.id, b.run_id) for b in bundles],
@@ -180,10 +174,10 @@ def _delete(
         status=BundleStatus.DELETED,
         reason=reason,
     )
-    shared = repository.steps_shared(session, bundles=bundles)
+    shared = repository.steps_shared(session, run_id=run.id, bundles=bundles)
     for bundle in bundles:
-        key = keys.manifest_key(names[bundle.run_id], bundle.step)
-        if (bundle.run_id, bundle.step) not in shared or _manifest_is(context, key, bundle.id):
+        key = keys.manifest_key(run.name, bundle.step)
+        if bundle.step not in shared or _manifest_is(context, key, bundle.id):
             context.store.delete(key)
 
 
