@@ -81,8 +81,9 @@ class DirectoryStore:
         back at once (without waiting: ``_start_writeback``); on exit every file is fsynced
         (in parallel), renamed into place, and each directory they changed is fsynced once:
         the disk flushes one batch instead of a put at a time (a save's blobs: 25% less time
-        to durable on this project's machines, and 25% less again with the early writeback). Until then no object of the block exists
-        under its key; if the block raises, none ever does. Puts from any thread count, so
+        to durable on this project's machines, and 25% less again with the early
+        writeback). Until then no object of the block exists under its key; if the block
+        raises, none ever does. Puts from any thread count, so
         open one batch at a time, around puts that need not be visible before it ends.
         """
         with self._lock:
