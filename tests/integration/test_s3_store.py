@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from ckpt.agent.demo.compare import differences
+from ckpt.core.contract import Manifest
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import keys, open_store
 from ckpt.core.storage.s3 import S3ObjectStore
@@ -50,6 +51,33 @@ def test_objects_round_trip(store: S3ObjectStore) -> None:
         store.get("runs/a/x")
     with pytest.raises(StoreError, match="no object"):
         store.read_into("runs/a/x", memoryview(buffer))
+
+
+def test_delete_many_sends_one_request_per_thousand_keys(
+    s3: S3Server, store: S3ObjectStore
+) -> None:
+    kept = ["blobs/0/kept", "runs/a/kept"]
+    doomed = [f"blobs/0/{i:04}" for i in range(1001)]  # most are absent: ignored
+    for key in [*kept, doomed[0], doomed[999], doomed[1000]]:
+        store.put(key, [b"x"])
+    requests: list[int] = []
+    store._client.meta.events.register(
+        "before-call.s3.DeleteObjects",
+        lambda params, **_: requests.append(len(params["body"])),  # a request was sent
+    )
+
+    store.delete_many(doomed)
+
+    assert len(requests) == 2
+    assert sorted(store.list_keys("")) == kept
+    # The prefix is the store's: the bucket's other keys are not touched.
+    assert s3.client().list_objects_v2(Bucket=store.bucket)["KeyCount"] == len(kept)
+
+
+def test_delete_many_of_a_missing_bucket_says_so(s3: S3Server) -> None:
+    missing = S3ObjectStore("s3://no-such-bucket/ckpt", endpoint_url=s3.endpoint)
+    with pytest.raises(StoreError, match="cannot delete 2 objects"):
+        missing.delete_many(["blobs/a", "blobs/b"])
 
 
 def test_stat_gives_the_size_and_last_modified(store: S3ObjectStore) -> None:
@@ -181,7 +209,8 @@ def test_the_control_plane_verifies_and_serves_bundles_in_s3(s3: S3Server, tmp_p
     steps = ("--steps", "16", "--total-steps", "24")
     reference = run_trainer(tmp_path / "local", tmp_path / "reference.pt", *steps)
     url = f"s3://{s3.bucket()}/plane"
-    with ckpt_server(tmp_path, store=url, env=s3.env()) as server:
+    plane_env = {**s3.env(), "CKPT_BLOB_GRACE_SECONDS": "0"}  # the sweep below may delete
+    with ckpt_server(tmp_path, store=url, env=plane_env) as server:
         env = {**s3.env(), **server.env(), "CKPT_RUN": "s3-run"}
         args = (*steps, "--run", "s3-run")
         run_trainer(
@@ -194,12 +223,32 @@ def test_the_control_plane_verifies_and_serves_bundles_in_s3(s3: S3Server, tmp_p
             expect_rc=-9,
             env=env,
         )
-        resumed = run_trainer(url, tmp_path / "resumed.pt", *args, env=env)
+        resumed = run_trainer(url, tmp_path / "resumed.pt", *args, "--every", "4", env=env)
         with server.client() as client:
             found = client.get("/v1/runs/s3-run/resumable").json()
             ready = client.get("/readyz").json()
+            complete = [
+                b
+                for b in client.get("/v1/runs/s3-run/lineage").json()["bundles"]
+                if b["status"] == "complete"
+            ]
+            # Retention and the sweep delete from S3 too (DeleteObjects, 1,000 keys a request).
+            assert client.patch("/v1/runs/s3-run", json={"keep_last": 1}).status_code == 200
+            report = client.post("/v1/gc").json()
+            head = client.get("/v1/runs/s3-run/resumable").json()
     assert differences(reference, resumed) == []
-    assert found["step"] == 8
+    assert found["step"] == 16  # saved at 8 (then killed), 12 and 16
     assert ready["checks"]["store"] == "ok"
     stored = S3ObjectStore(url, endpoint_url=s3.endpoint)
-    assert stored.size(keys.manifest_key("s3-run", 8)) is not None
+    assert [b["step"] for b in complete] == [8, 12, 16]
+    newest = max(complete, key=lambda b: b["id"])
+    assert report["deleted_bundles"] == [b["id"] for b in complete if b is not newest]
+    assert report["deleted_blobs"] > 0
+    assert head["bundle_id"] == newest["id"]
+    manifests = [k for k in stored.list_keys("runs/s3-run/") if keys.manifest_step(k) is not None]
+    assert manifests == [keys.manifest_key("s3-run", newest["step"])]
+    kept = Manifest.model_validate_json(stored.get(manifests[0]))
+    needed = {
+        blob.sha256 for rank in kept.ranks for layer in rank.layers.values() for blob in layer.blobs
+    }
+    assert {k.rsplit("/", 1)[-1] for k in stored.list_keys("blobs/")} == needed

@@ -139,6 +139,17 @@ def test_delete_removes_the_object(store: DirectoryStore) -> None:
     assert list(store.list_keys("")) == ["a/c"]
 
 
+def test_delete_many_removes_those_objects_and_ignores_absent_ones(store: DirectoryStore) -> None:
+    for key in ["a/b/k1", "a/k2", "c/k3"]:
+        store.put(key, [b"1"])
+
+    store.delete_many(["a/b/k1", "c/k3", "c/missing"])
+    store.delete_many([])
+
+    assert list(store.list_keys("")) == ["a/k2"]
+    assert directories_under(store.root) == ["a"]
+
+
 def directories_under(root: Path) -> list[str]:
     return sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_dir())
 

@@ -6,7 +6,7 @@ on a directory and on S3. A ``put`` is atomic: readers see the whole object or n
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 
@@ -61,4 +61,9 @@ class ObjectStore(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove ``key``; absent keys are ignored."""
+        ...
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove every one of ``keys`` (as few requests as the store allows); absent keys
+        are ignored. Raises ``StoreError`` naming the keys it could not remove."""
         ...

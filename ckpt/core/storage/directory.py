@@ -8,7 +8,7 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
@@ -196,6 +196,10 @@ class DirectoryStore:
         except OSError as err:
             raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
         self._remove_empty(path.parent)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            self.delete(key)
 
     def _remove_empty(self, directory: Path) -> None:
         """Remove ``directory`` and then each parent while they are empty, up to the root."""

@@ -22,7 +22,7 @@ import base64
 import hashlib
 import io
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -37,6 +37,7 @@ MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
 MAX_PUT_BYTES = 5 << 30  # S3's largest PutObject (and largest part)
 DEFAULT_PART_BYTES = MAX_PUT_BYTES
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+_DELETE_KEYS = 1000  # the most keys one DeleteObjects takes
 
 
 class S3ObjectStore:
@@ -205,6 +206,26 @@ class S3ObjectStore:
             self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
         except (BotoCoreError, ClientError) as err:
             raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """One ``DeleteObjects`` per 1,000 keys (quiet: S3 answers only with failures)."""
+        failed: list[str] = []
+        for start in range(0, len(keys), _DELETE_KEYS):
+            chunk = keys[start : start + _DELETE_KEYS]
+            objects = [{"Key": self.prefix + key} for key in chunk]
+            try:
+                answer = self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
+                )
+            except (BotoCoreError, ClientError) as err:
+                raise StoreError(f"{self.url}: cannot delete {len(chunk)} objects: {err}") from err
+            failed += [
+                f"{e['Key'][len(self.prefix) :]} ({e.get('Code')})"
+                for e in answer.get("Errors", ())
+                if e.get("Code") not in _NOT_FOUND
+            ]
+        if failed:
+            raise StoreError(f"{self.url}: cannot delete {len(failed)} objects: {failed[:10]}")
 
     def _error(self, action: str, key: str, err: ClientError) -> StoreError:
         if _code(err) in _NOT_FOUND:
