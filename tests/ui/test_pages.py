@@ -24,6 +24,7 @@ from ckpt.service.ui.pages import missing_words
 from tests.service.conftest import (  # noqa: F401 (fixtures server needs)
     MakeServer,
     Server,
+    catalogs,
     make_server,
     pg_databases,
 )
