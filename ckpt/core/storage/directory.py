@@ -190,27 +190,30 @@ class DirectoryStore:
         yield from sorted(found)
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
-        try:
-            path.unlink(missing_ok=True)
-        except OSError as err:
-            raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
-        self._remove_empty(path.parent)
+        self.delete_many([key])
 
     def delete_many(self, keys: Sequence[str]) -> None:
+        # Paths as strings: pathlib's objects cost more than the unlink of a small file.
         for key in keys:
-            self.delete(key)
-
-    def _remove_empty(self, directory: Path) -> None:
-        """Remove ``directory`` and then each parent while they are empty, up to the root."""
-        while directory != self.root:
+            path = os.path.join(self._root, *self._parts(key))
             try:
-                directory.rmdir()  # refuses a directory that is not empty
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
+            self._remove_empty(os.path.dirname(path))
+
+    def _remove_empty(self, directory: str) -> None:
+        """Remove ``directory`` and then each parent while they are empty, up to the root."""
+        while directory != self._root:
+            try:
+                os.rmdir(directory)  # refuses a directory that is not empty
             except OSError:
                 # Not empty (a put got there first), already gone, or not ours to remove:
                 # the object is deleted either way; an empty directory is only clutter.
                 return
-            directory = directory.parent
+            directory = os.path.dirname(directory)
 
 
 _MAKE_DIRS_TRIES = 8

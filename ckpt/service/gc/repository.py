@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from ckpt.service.models import LIVE_STATUSES, Blob, Bundle, BundleStatus, Layer, LayerBlob, Run
 from ckpt.service.retention import Kept
 from ckpt.service.runs.repository import resumable_walk
-from ckpt.service.sql import insert
+from ckpt.service.sql import ids_in, insert
 
 
 def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list[Bundle]:
@@ -105,23 +105,25 @@ def mark_deleted(session: Session, *, ids: Collection[int], reason: str) -> list
     table = cast(Table, Bundle.__table__)
     rows = session.execute(
         update(table)
-        .where(table.c.id.in_(sorted(ids)))
+        .where(ids_in(session, table.c.id, ids))
         .values(status=BundleStatus.DELETED, reason=reason)
         .returning(table.c.id, table.c.run_id, table.c.step)
     )
     return [Doomed(*row) for row in rows]
 
 
-def steps_shared(session: Session, *, run_id: int, bundles: Collection[Doomed]) -> set[int]:
-    """The steps of these bundles of one run that another bundle of it also has (a fork saved
-    the step again): their manifest may be the other bundle's."""
+def steps_shared(session: Session, *, bundles: Collection[Doomed]) -> set[tuple[int, int]]:
+    """The runs' steps of these bundles that another bundle of the same run also has (a fork
+    saved the step again): their manifest may be the other bundle's."""
     ids = {b.id for b in bundles}
+    pairs = {(b.run_id, b.step) for b in bundles}
     rows = session.execute(
-        select(Bundle.step, Bundle.id).where(
-            Bundle.run_id == run_id, Bundle.step.in_(sorted({b.step for b in bundles}))
+        select(Bundle.run_id, Bundle.step, Bundle.id).where(
+            ids_in(session, Bundle.run_id, {run_id for run_id, _ in pairs}),
+            ids_in(session, Bundle.step, {step for _, step in pairs}),
         )
     )
-    return {step for step, bundle_id in rows if bundle_id not in ids}
+    return {(r, s) for r, s, bundle_id in rows if (r, s) in pairs and bundle_id not in ids}
 
 
 def live_references(session: Session, *, shas: Collection[str] | None = None) -> set[str]:

@@ -20,6 +20,7 @@ One pass runs at a time across replicas (``maintenance``), recorded in
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -45,7 +46,8 @@ from ckpt.service.settings import Settings
 log = logging.getLogger("ckpt.gc")
 
 _BLOB_PREFIX = "blobs/sha256/"
-_BATCH = 200
+_BATCH = 200  # blobs swept at once (their rows locked meanwhile)
+_DELETE_AT_ONCE = 1000  # bundles marked deleted by one statement
 _RUNS_AT_ONCE = 100  # runs weighed together; see docs/performance.md#garbage-collection
 
 
@@ -120,13 +122,13 @@ def _retain(context: Context, run_ids: list[int], *, dry_run: bool) -> list[int]
         every = [bundle_id for ids in doomed.values() for bundle_id in ids]
         if dry_run:
             return every
-        manifests: list[str] = []
+        by_reason: dict[str, list[int]] = defaultdict(list)  # a reason per policy
         for run in runs:
-            ids = doomed[run.id]
-            for start in range(0, len(ids), _BATCH):
-                batch = ids[start : start + _BATCH]
-                manifests += _delete(context, session, run, batch, policies[run.id])
-        context.store.delete_many(list(dict.fromkeys(manifests)))  # S3: a request per 1,000
+            by_reason[f"retention ({policies[run.id]})"] += doomed[run.id]
+        names = {run.id: run.name for run in runs}
+        for reason, ids in by_reason.items():
+            for start in range(0, len(ids), _DELETE_AT_ONCE):
+                _delete(context, session, ids[start : start + _DELETE_AT_ONCE], reason, names)
         return every
 
 
@@ -163,23 +165,34 @@ class _Policy:
 
 
 def _delete(
-    context: Context, session: Session, run: Run, ids: Sequence[int], policy: _Policy
-) -> list[str]:
-    """Mark these bundles of ``run`` deleted (three statements however many): the keys of
-    their manifests, for the caller to delete from the store."""
-    reason = f"retention ({policy})"
+    context: Context,
+    session: Session,
+    ids: Sequence[int],
+    reason: str,
+    names: Mapping[int, str],
+) -> None:
+    """Delete these bundles of the runs ``names`` names: three statements however many, and
+    their manifests from the store (on S3, one request per 1,000)."""
     bundles = repository.mark_deleted(session, ids=ids, reason=reason)
     events_repository.add_events(
         session,
-        bundles=[(b.id, b.run_id) for b in bundles],
+        bundle_ids=ids,
         actor=System.GC,
         action=Action.DELETED,
         status=BundleStatus.DELETED,
         reason=reason,
     )
-    shared = repository.steps_shared(session, run_id=run.id, bundles=bundles)
-    manifests = [(keys.manifest_key(run.name, b.step), b) for b in bundles]
-    return [key for key, b in manifests if b.step not in shared or _manifest_is(context, key, b.id)]
+    shared = repository.steps_shared(session, bundles=bundles)
+    manifests = [(keys.manifest_key(names[b.run_id], b.step), b) for b in bundles]
+    context.store.delete_many(
+        list(
+            dict.fromkeys(  # two of these bundles may share a step, and a manifest
+                key
+                for key, b in manifests
+                if (b.run_id, b.step) not in shared or _manifest_is(context, key, b.id)
+            )
+        )
+    )
 
 
 def _manifest_is(context: Context, key: str, bundle_id: int) -> bool:
