@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg.adapt import Dumper
-from sqlalchemy import ColumnElement, Select, any_, literal
+from sqlalchemy import BigInteger, ColumnElement, Select, any_, literal
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session
@@ -65,39 +65,8 @@ def ids_in(
     """``column IN ids``: on PostgreSQL ``= ANY(array)``, one bound parameter however many
     (1,000 ids in an IN list cost more to bind, and for psycopg to parse, than to update)."""
     if session.get_bind().dialect.name == "postgresql":
-        return column == any_(literal(_Ids(ids), _IdArray()))
+        return column == any_(literal(sorted(ids), postgresql.ARRAY(BigInteger)))
     return column.in_(sorted(ids))
-
-
-class _Ids:
-    """Integers as an array literal."""
-
-    __slots__ = ("literal",)
-
-    def __init__(self, ids: Collection[int]) -> None:
-        self.literal = ("{" + ",".join(str(int(i)) for i in sorted(ids)) + "}").encode()
-
-
-class _IdArray(UserDefinedType[_Ids]):
-    """A ``bigint[]`` parameter whose value is an ``_Ids``, sent as it is."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return "BIGINT[]"
-
-    def bind_processor(self, dialect: Dialect) -> None:
-        return None
-
-
-class _IdsDumper(Dumper):
-    oid = psycopg.adapters.types["int8"].array_oid
-
-    def dump(self, obj: _Ids) -> bytes:
-        return obj.literal
-
-
-psycopg.adapters.register_dumper(_Ids, _IdsDumper)
 
 
 class _Words:
