@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Kept:
-    """A complete bundle, as retention sees it."""
+class Kept(NamedTuple):
+    """A complete bundle, as retention sees it (a tuple: garbage collection makes one for
+    every complete bundle of every crowded run, a million at a time)."""
 
     id: int
     step: int

@@ -41,11 +41,11 @@ class DirectoryStore:
 
     @staticmethod
     def _parts(key: str) -> list[str]:
-        parts = key.split("/")
-        # Parts starting with "." are refused: they are reserved for temporary files.
-        if not key or any(part == "" or part.startswith(".") for part in parts):
+        # Empty parts are refused, and parts starting with "." (reserved for temporary
+        # files), by scanning the whole key: a test of each part cost more than an unlink.
+        if not key or key[0] in "./" or key[-1] == "/" or "//" in key or "/." in key:
             raise ValueError(f"invalid object key {key!r}")
-        return parts
+        return key.split("/")
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         path = self._path(key)
@@ -195,11 +195,11 @@ class DirectoryStore:
     def delete_many(self, keys: Sequence[str]) -> None:
         # Paths as strings: pathlib's objects cost more than the unlink of a small file.
         for key in keys:
-            path = os.path.join(self._root, *self._parts(key))
+            path = os.sep.join((self._root, *self._parts(key)))
             try:
                 os.unlink(path)
             except FileNotFoundError:
-                pass
+                continue  # no directory emptied here
             except OSError as err:
                 raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
             self._remove_empty(os.path.dirname(path))

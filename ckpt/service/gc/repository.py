@@ -5,7 +5,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import NamedTuple, cast
 
-from sqlalchemy import Table, delete, func, or_, select, update
+from sqlalchemy import DateTime, Table, delete, func, or_, select, type_coerce, update
 from sqlalchemy.orm import Session
 
 from ckpt.service.models import LIVE_STATUSES, Blob, Bundle, BundleStatus, Layer, LayerBlob, Run
@@ -14,17 +14,18 @@ from ckpt.service.runs.repository import resumable_walk
 from ckpt.service.sql import ids_in, insert
 
 
-def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list[Bundle]:
-    """Pending bundles opened before ``older_than``, by id (``lock``: locked for update;
-    those another transaction holds are left for the next pass)."""
-    query = (
-        select(Bundle)
-        .where(Bundle.status == BundleStatus.PENDING, Bundle.created_at < older_than)
-        .order_by(Bundle.id)
+def stale_pending(session: Session, *, older_than: datetime, lock: bool) -> list[int]:
+    """The pending bundles opened before ``older_than``, by id (``lock``: locked for update;
+    those another transaction holds are left for the next pass).
+
+    Sorted here, not by the query: SQLite would rather walk the whole table in id order
+    than read the partial index of pending bundles and sort."""
+    query = select(Bundle.id).where(
+        Bundle.status == BundleStatus.PENDING, Bundle.created_at < older_than
     )
     if lock:
         query = query.with_for_update(skip_locked=True)
-    return list(session.scalars(query))
+    return sorted(session.scalars(query))
 
 
 def run_ids(session: Session, *, server_keeps: int | None) -> list[int]:
@@ -71,23 +72,26 @@ KEPT_STATUSES = (*LIVE_STATUSES, BundleStatus.QUARANTINED)
 
 def kept_in(session: Session, *, run_ids: Collection[int]) -> dict[tuple[int, str], list[Kept]]:
     """These runs' complete and quarantined bundles as retention sees them (the columns it
-    needs only), by run id and status."""
-    rows = session.execute(
+    needs only), by run id and status.
+
+    A Core statement on the session's connection, its rows fetched at once, its times as
+    the driver returns them (retention only compares them with each other): at a million
+    bundles the ORM's loading, a fetch per row and a conversion of each time to UTC cost
+    twice the query."""
+    committed_at = type_coerce(
+        func.coalesce(Bundle.committed_at, Bundle.created_at), DateTime(timezone=True)
+    )
+    rows = session.connection().execute(
         select(
-            Bundle.run_id,
-            Bundle.status,
-            Bundle.id,
-            Bundle.step,
-            func.coalesce(Bundle.committed_at, Bundle.created_at),
-            Bundle.pinned,
+            Bundle.run_id, Bundle.status, Bundle.id, Bundle.step, committed_at, Bundle.pinned
         ).where(
-            Bundle.run_id.in_(sorted(run_ids)),
+            ids_in(session, Bundle.run_id, run_ids),
             Bundle.status.in_((BundleStatus.COMPLETE, BundleStatus.QUARANTINED)),
         )
     )
     found: dict[tuple[int, str], list[Kept]] = defaultdict(list)
-    for run_id, status, bundle_id, step, committed_at, pinned in rows:
-        found[run_id, status].append(Kept(bundle_id, step, committed_at, pinned))
+    for run_id, status, bundle_id, step, at, pinned in rows.all():
+        found[run_id, status].append(Kept(bundle_id, step, at, pinned))
     return found
 
 
@@ -99,31 +103,32 @@ class Doomed(NamedTuple):
     step: int
 
 
-def mark_deleted(session: Session, *, ids: Collection[int], reason: str) -> list[Doomed]:
-    """Mark these bundles deleted: what the rest of their deletion needs of them (a Core
-    statement: the ORM's bulk path cost more than the update)."""
+def set_status(
+    session: Session, *, ids: Collection[int], status: BundleStatus, reason: str
+) -> None:
+    """Give these bundles ``status`` for ``reason`` (a Core statement: the ORM's bulk path
+    cost more than the update)."""
     table = cast(Table, Bundle.__table__)
-    rows = session.execute(
-        update(table)
-        .where(ids_in(session, table.c.id, ids))
-        .values(status=BundleStatus.DELETED, reason=reason)
-        .returning(table.c.id, table.c.run_id, table.c.step)
+    session.execute(
+        update(table).where(ids_in(session, table.c.id, ids)).values(status=status, reason=reason)
     )
-    return [Doomed(*row) for row in rows]
 
 
 def steps_shared(session: Session, *, bundles: Collection[Doomed]) -> set[tuple[int, int]]:
     """The runs' steps of these bundles that another bundle of the same run also has (a fork
-    saved the step again): their manifest may be the other bundle's."""
-    ids = {b.id for b in bundles}
+    saved the step again, or two of these share it): their manifest may be another
+    bundle's. Counted by the database, which answers with those few steps only."""
     pairs = {(b.run_id, b.step) for b in bundles}
     rows = session.execute(
-        select(Bundle.run_id, Bundle.step, Bundle.id).where(
+        select(Bundle.run_id, Bundle.step)
+        .where(
             ids_in(session, Bundle.run_id, {run_id for run_id, _ in pairs}),
             ids_in(session, Bundle.step, {step for _, step in pairs}),
         )
+        .group_by(Bundle.run_id, Bundle.step)
+        .having(func.count() > 1)
     )
-    return {(r, s) for r, s, bundle_id in rows if (r, s) in pairs and bundle_id not in ids}
+    return {(run_id, step) for run_id, step in rows if (run_id, step) in pairs}
 
 
 def live_references(session: Session, *, shas: Collection[str] | None = None) -> set[str]:

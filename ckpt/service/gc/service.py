@@ -35,7 +35,6 @@ from ckpt.service import retention
 from ckpt.service.context import Context
 from ckpt.service.errors import StoreUnavailableError
 from ckpt.service.events import repository as events_repository
-from ckpt.service.events import service as events
 from ckpt.service.events.schemas import Action, System
 from ckpt.service.gc import repository
 from ckpt.service.maintenance.service import Task, exclusive
@@ -47,7 +46,7 @@ log = logging.getLogger("ckpt.gc")
 
 _BLOB_PREFIX = "blobs/sha256/"
 _BATCH = 200  # blobs swept at once (their rows locked meanwhile)
-_DELETE_AT_ONCE = 1000  # bundles marked deleted by one statement
+_AT_ONCE = 1000  # bundles whose status one statement changes
 _RUNS_AT_ONCE = 100  # runs weighed together; see docs/performance.md#garbage-collection
 
 
@@ -96,13 +95,15 @@ def _expire(context: Context, *, now: datetime, dry_run: bool) -> list[int]:
     with context.transaction() as session:
         stale = repository.stale_pending(session, older_than=now - ttl, lock=not dry_run)
         if not dry_run:
-            for bundle in stale:
-                bundle.status = BundleStatus.FAILED
-                bundle.reason = "still pending after the TTL"
-                events.record(
-                    session, bundle, actor=System.GC, action=Action.FAILED, reason=bundle.reason
+            for start in range(0, len(stale), _AT_ONCE):
+                _change(
+                    session,
+                    stale[start : start + _AT_ONCE],
+                    status=BundleStatus.FAILED,
+                    action=Action.FAILED,
+                    reason="still pending after the TTL",
                 )
-        return [bundle.id for bundle in stale]
+        return stale
 
 
 def _retain(context: Context, run_ids: list[int], *, dry_run: bool) -> list[int]:
@@ -122,13 +123,16 @@ def _retain(context: Context, run_ids: list[int], *, dry_run: bool) -> list[int]
         every = [bundle_id for ids in doomed.values() for bundle_id in ids]
         if dry_run:
             return every
-        by_reason: dict[str, list[int]] = defaultdict(list)  # a reason per policy
+        steps = {b.id: b.step for bundles in kept.values() for b in bundles}
+        by_reason: dict[str, list[repository.Doomed]] = defaultdict(list)  # a reason per policy
         for run in runs:
-            by_reason[f"retention ({policies[run.id]})"] += doomed[run.id]
+            by_reason[f"retention ({policies[run.id]})"] += (
+                repository.Doomed(i, run.id, steps[i]) for i in doomed[run.id]
+            )
         names = {run.id: run.name for run in runs}
-        for reason, ids in by_reason.items():
-            for start in range(0, len(ids), _DELETE_AT_ONCE):
-                _delete(context, session, ids[start : start + _DELETE_AT_ONCE], reason, names)
+        for reason, bundles in by_reason.items():
+            for start in range(0, len(bundles), _AT_ONCE):
+                _delete(context, session, bundles[start : start + _AT_ONCE], reason, names)
         return every
 
 
@@ -167,19 +171,17 @@ class _Policy:
 def _delete(
     context: Context,
     session: Session,
-    ids: Sequence[int],
+    bundles: Sequence[repository.Doomed],
     reason: str,
     names: Mapping[int, str],
 ) -> None:
     """Delete these bundles of the runs ``names`` names: three statements however many, and
     their manifests from the store (on S3, one request per 1,000)."""
-    bundles = repository.mark_deleted(session, ids=ids, reason=reason)
-    events_repository.add_events(
+    _change(
         session,
-        bundle_ids=ids,
-        actor=System.GC,
-        action=Action.DELETED,
+        [b.id for b in bundles],
         status=BundleStatus.DELETED,
+        action=Action.DELETED,
         reason=reason,
     )
     shared = repository.steps_shared(session, bundles=bundles)
@@ -192,6 +194,16 @@ def _delete(
                 if (b.run_id, b.step) not in shared or _manifest_is(context, key, b.id)
             )
         )
+    )
+
+
+def _change(
+    session: Session, ids: Sequence[int], *, status: BundleStatus, action: Action, reason: str
+) -> None:
+    """Give these bundles ``status``, with the audit event of each: two statements."""
+    repository.set_status(session, ids=ids, status=status, reason=reason)
+    events_repository.add_events(
+        session, bundle_ids=ids, actor=System.GC, action=action, status=status, reason=reason
     )
 
 
