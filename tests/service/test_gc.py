@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select, text
 
 from ckpt.core.contract import RESTORE_ORDER, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
@@ -331,6 +331,36 @@ def test_pending_bundle_fails_after_ttl(
         assert done.status_code == 409, done.text
         rec2, _ = make_layer(server.store)
         assert record(client, bundle_id, 0, "rng", attempt["epoch"], rec2).status_code == 409
+
+
+def test_expiry_reads_only_the_index_of_pending_bundles(
+    make_server: MakeServer, backend: str
+) -> None:
+    """The TTL's query is a range of the partial index of pending bundles on both databases
+    (asked for the ids in order, SQLite walks the whole table instead)."""
+    server = make_server(backend)
+    engine = server.context.engine
+    seen: list[tuple[str, Any]] = []
+
+    def before(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT"):
+            seen.append((statement, parameters))
+
+    with server.context.transaction() as session:
+        event.listen(engine, "before_cursor_execute", before)
+        try:
+            gc_repository.stale_pending(session, older_than=utcnow(), lock=False)
+        finally:
+            event.remove(engine, "before_cursor_execute", before)
+        ((statement, parameters),) = seen
+        if backend == "postgres":
+            session.execute(text("SET LOCAL enable_seqscan = off"))  # an empty table, else
+            explain = "EXPLAIN "
+        else:
+            explain = "EXPLAIN QUERY PLAN "
+        connection = session.connection()
+        plan = str(connection.exec_driver_sql(explain + statement, parameters).all())
+    assert "ix_bundle_pending_created_at" in plan, plan
 
 
 # The sweep.
