@@ -19,7 +19,6 @@ at this size) and any scan of ``bundle`` that no index drives is named (tests/ui
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -34,12 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ckpt.service.db import make_engine, upgrade
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
-from tests.ui.plans import page_plans
+from tests.ui.plans import page_plans, shown
 from tests.ui.seed import Shape, seed
 from tests.ui.signin import signed_in_client
 
-# A long IN list of bound values, shortened in the printed statements.
-BIND_LIST = re.compile(r"(%\(\w+\)s(::\w+)?, ){3,}")
 FLOOR = "GET /healthz (floor)"
 GOAL_RATIO = 10
 GOAL_MS = 200
@@ -137,8 +134,7 @@ def plans(url: str, shape: Shape, root: Path, *, verbose: bool) -> None:
         bad += len(scans)
         if scans or verbose:
             print(f"\n{plan.path}: {', '.join(scans) or 'every scan of bundle uses an index'}")
-            print(BIND_LIST.sub("..., ", plan.statement))
-            print(plan.text())
+            print(shown(plan))
     print(
         "no scan of bundle without an index"
         if not bad

@@ -16,6 +16,10 @@ timed is expiry and retention.
 ``keep_last=10`` runs inside the server's process (``POST /v1/gc``, as a server with
 ``CKPT_MAINTENANCE=inline`` runs it), and while the same pass runs in a process of its own
 (``ckpt gc``, as ``ckpt worker`` runs it); p50 / p99 and their ratio to idle.
+
+After the first dry run, and after the backlog's pass, the plan PostgreSQL makes for each
+distinct statement the pass ran (EXPLAIN with the first parameters it was given;
+tests/ui/plans.py) is printed, with any scan of ``bundle`` no index drives named.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+from sqlalchemy import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -41,10 +47,14 @@ from ckpt.service.gc.service import collect
 from ckpt.service.settings import Settings
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
+from tests.ui.plans import Plan, recorded, shown
+from tests.ui.plans import explain as plan_of
 from tests.ui.seed import Shape, seed
 
 
-def timed_pass(url: str, store: Path, *, keep_last: int | None, dry_run: bool) -> float:
+def timed_pass(
+    url: str, store: Path, *, keep_last: int | None, dry_run: bool, plans: bool = False
+) -> float:
     settings = Settings(
         database_url=url,
         store=str(store),
@@ -54,9 +64,12 @@ def timed_pass(url: str, store: Path, *, keep_last: int | None, dry_run: bool) -
     )
     context = Context.create(settings)
     try:
-        started = time.perf_counter()
-        report = collect(context, dry_run=dry_run)
-        elapsed = time.perf_counter() - started
+        with recorded(context.engine, kinds=STATEMENTS) as seen:
+            started = time.perf_counter()
+            report = collect(context, dry_run=dry_run)
+            elapsed = time.perf_counter() - started
+        if plans:
+            explain(context.engine, seen)
     finally:
         context.close()
     assert not report.skipped
@@ -66,6 +79,27 @@ def timed_pass(url: str, store: Path, *, keep_last: int | None, dry_run: bool) -
         f"{len(report.failed_bundles)} expired)"
     )
     return elapsed
+
+
+STATEMENTS = ("SELECT", "WITH", "UPDATE", "INSERT", "DELETE")
+explained: set[str] = set()
+
+
+def explain(engine: Engine, seen: list[tuple[str, Any]]) -> None:
+    """Print the plan of each statement in ``seen`` not explained before (with the first
+    parameters it ran with)."""
+    first = {statement: params for statement, params in reversed(seen)}
+    fresh = [statement for statement in first if statement not in explained]
+    print(f"\n  EXPLAIN of the {len(fresh)} statements the pass ran that were not shown yet")
+    for statement in fresh:
+        explained.add(statement)
+        plan = Plan(
+            "gc", statement, plan_of(engine, statement, first[statement], prefer_indexes=False)
+        )
+        scans = plan.bad_scans()
+        print(f"\n  {', '.join(scans) or 'every scan of bundle uses an index'}")
+        print(shown(plan))
+    print()
 
 
 def sample_while(client: httpx.Client, path: str, busy: Callable[[], bool]) -> list[float]:
@@ -171,12 +205,13 @@ def main() -> None:
         print(f"seeded in {time.perf_counter() - started:.1f} s: {counts}")
         store = Path(tmp) / "store"
         timed_pass(url, store, keep_last=None, dry_run=False)
-        timed_pass(url, store, keep_last=10, dry_run=True)
+        timed_pass(url, store, keep_last=10, dry_run=True, plans=True)
         timed_pass(url, store, keep_last=10, dry_run=True)
         if args.latency:
             latency(url, Path(tmp))
         if args.delete:
-            timed_pass(url, store, keep_last=10, dry_run=False)  # the backlog: deletes
+            # The backlog: deletes.
+            timed_pass(url, store, keep_last=10, dry_run=False, plans=True)
             timed_pass(url, store, keep_last=10, dry_run=False)  # the pass after it
 
 

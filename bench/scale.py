@@ -7,7 +7,10 @@ attempts each), and 9,900 such runs plus the run ``big`` of 1,000 attempts and 1
 bundles: 1,000,000 bundles. A real ``ckpt server`` serves each in turn; a client times each
 request ``--repeat`` times, round-robin with ``GET /healthz`` on the same keep-alive
 connection (the floor), and prints p50 / p99, then the 1M / 1k ratio of each p99 (goal
-<= 1.5) and the ratio of ``big``'s lineage to a 100-bundle run's (goal <= 10).
+<= 1.5) and the ratio of ``big``'s lineage to a 100-bundle run's (goal <= 10). Last, the
+plan PostgreSQL makes on the 1M catalog for every SELECT behind those requests (EXPLAIN, the
+statements' own parameters; tests/ui/plans.py), with any scan of ``bundle`` no index drives
+named.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ckpt.service.db import make_engine, upgrade
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
+from tests.ui.plans import page_plans, shown
 from tests.ui.seed import Shape, seed
 
 SMALL = Shape(runs=10, bundles_per_run=100, attempts_per_run=5, big_attempts=0, big_bundles=0)
@@ -61,7 +65,7 @@ def timed(actions: dict[str, Callable[[], object]], repeat: int) -> dict[str, tu
 
 
 def measure(
-    postgres: str, shape: Shape, requests: dict[str, str], repeat: int
+    postgres: str, shape: Shape, requests: dict[str, str], repeat: int, *, plans: bool = False
 ) -> dict[str, tuple[float, float]]:
     with throwaway_database(postgres) as url, tempfile.TemporaryDirectory() as tmp:
         upgrade(url)
@@ -80,7 +84,19 @@ def measure(
             def get(path: str) -> Callable[[], object]:
                 return lambda: client.get(path).raise_for_status()
 
-            return timed({name: get(path) for name, path in requests.items()}, repeat)
+            found = timed({name: get(path) for name, path in requests.items()}, repeat)
+        if plans:
+            explain(url, [path for path in requests.values() if path.startswith("/v1/")], Path(tmp))
+        return found
+
+
+def explain(url: str, paths: list[str], root: Path) -> None:
+    found = page_plans(url, paths, store=root / "plans-store", api=True)
+    print(f"\nEXPLAIN of the {len(found)} SELECTs behind those requests, on this catalog")
+    for plan in found:
+        scans = plan.bad_scans()
+        print(f"\n{plan.path}: {', '.join(scans) or 'every scan of bundle uses an index'}")
+        print(shown(plan))
 
 
 def main() -> None:
@@ -93,7 +109,7 @@ def main() -> None:
     small = measure(args.postgres, SMALL, REQUESTS, args.repeat)
     big = f"/v1/runs/{LARGE.big_run}/lineage"
     pages = {name: big + query for name, query in BIG_PAGES.items()}
-    large = measure(args.postgres, LARGE, REQUESTS | {BIG: big} | pages, args.repeat)
+    large = measure(args.postgres, LARGE, REQUESTS | {BIG: big} | pages, args.repeat, plans=True)
     print(f"\n{args.repeat} requests each, round-robin on one keep-alive connection")
     print(
         f"  {'request':<28} {'1k p50':>8} {'1k p99':>8} {'1M p50':>8} {'1M p99':>8} {'p99 1M/1k':>10}"

@@ -1,8 +1,9 @@
 """The SQL behind the dashboard's pages, and PostgreSQL's plans for it.
 
-``page_plans`` serves the app in this process on a seeded database, signs in, requests each
-page while recording every SELECT its engine runs, then asks PostgreSQL to ``EXPLAIN`` each
-one (its parameters bound client-side, so the plan is the one for those values).
+``page_plans`` serves the app in this process on a seeded database, signs in (or, for the
+API, sends the admin token), requests each page while recording every SELECT its engine
+runs, then asks PostgreSQL to ``EXPLAIN`` each one (its parameters bound client-side, so
+the plan is the one for those values).
 ``bad_scans`` names the scans of ``bundle`` that no index drives: a sequential scan, or an
 index walked whole (no index condition). With ``prefer_indexes`` the planner may use neither
 sequential scans nor hash or merge joins (which read a whole side): on a small table too,
@@ -12,12 +13,14 @@ the plan then shows a scan without an index condition only where no index can se
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 from sqlalchemy import Engine, event
 
@@ -45,13 +48,27 @@ class Plan:
         return "\n".join(_lines(self.plan, depth=0))
 
 
+# Printed shorter: long lists of bound values in a statement, arrays of ids inlined in a plan.
+_BIND_LIST = re.compile(r"(%\(\w+\)s(::\w+)?, ){3,}")
+_ARRAY = re.compile(r"'\{([^}']{30})[^}']+\}'")
+
+
+def shown(plan: Plan) -> str:
+    """The statement and its plan for printing, long lists of values shortened (bound ones
+    in the statement, ids inlined in the plan)."""
+    statement = _BIND_LIST.sub("..., ", plan.statement)
+    return statement + "\n" + _ARRAY.sub(r"'{\1...}'", plan.text())
+
+
 @contextmanager
-def recorded(engine: Engine) -> Iterator[list[tuple[str, Any]]]:
-    """Every SELECT ``engine`` runs meanwhile, with its parameters."""
+def recorded(
+    engine: Engine, *, kinds: tuple[str, ...] = ("SELECT", "WITH")
+) -> Iterator[list[tuple[str, Any]]]:
+    """Every statement of these ``kinds`` ``engine`` runs meanwhile, with its parameters."""
     seen: list[tuple[str, Any]] = []
 
     def before(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith(("SELECT", "WITH")):
+        if statement.lstrip().upper().startswith(kinds):
             seen.append((statement, parameters))
 
     event.listen(engine, "before_cursor_execute", before)
@@ -84,9 +101,15 @@ def explain(
 
 
 def page_plans(
-    database_url: str, paths: Iterable[str], *, store: Path, prefer_indexes: bool = False
+    database_url: str,
+    paths: Iterable[str],
+    *,
+    store: Path,
+    prefer_indexes: bool = False,
+    api: bool = False,
 ) -> list[Plan]:
-    """The plan of every SELECT each page of ``paths`` ran, served from ``database_url``."""
+    """The plan of every SELECT each page of ``paths`` ran, served from ``database_url``
+    (``api``: paths of the REST API, asked with the admin token)."""
     settings = Settings(
         database_url=database_url,
         store=str(store),
@@ -101,7 +124,7 @@ def page_plans(
     url, stop = serve(create_app(settings, context=context))
     try:
         statements: list[tuple[str, str, Any]] = []
-        with signed_in_client(url, TOKEN) as client:
+        with _client(url, api=api) as client:
             for path in paths:
                 with recorded(context.engine) as seen:
                     answer = client.get(path)
@@ -118,6 +141,17 @@ def page_plans(
     finally:
         stop()
         context.close()
+
+
+@contextmanager
+def _client(url: str, *, api: bool) -> Iterator[httpx.Client]:
+    if not api:
+        with signed_in_client(url, TOKEN) as client:
+            yield client
+        return
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.Client(base_url=url, headers=bearer, timeout=60) as client:
+        yield client
 
 
 def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
