@@ -216,6 +216,7 @@ class Bundle(Base):
         CheckConstraint("step >= 0", name="step"),
         CheckConstraint("world_size >= 1", name="world_size"),
         Index(None, "run_id", "status", "step"),
+        Index(None, "run_id", "id"),  # a page of a run's lineage: its bundles in id order
         # Garbage collection's expiry of pending bundles, which alone read it: a bundle's
         # entry goes once it leaves pending, so no later change of its status writes here.
         Index(

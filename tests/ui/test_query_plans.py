@@ -59,6 +59,34 @@ def test_no_page_scans_bundles_without_an_index(tmp_path: Path, database: str) -
     assert bad == set(), "\n\n".join(sorted(bad))
 
 
+def test_no_api_read_scans_bundles_without_an_index(tmp_path: Path, database: str) -> None:
+    """The API's hot reads too; a page of a long lineage among them, which walked the whole
+    primary key back from the catalog's newest bundle before ``bundle (run_id, id)``."""
+    upgrade(database)
+    engine = make_engine(database)
+    seed(engine, SMALL)
+    engine.dispose()
+    big = f"/v1/runs/{SMALL.big_run}"
+    paths = [
+        "/v1/runs/run-00007/resumable",
+        "/v1/runs?limit=50",
+        "/v1/runs?limit=50&after=run-00005",
+        "/v1/runs/run-00007",
+        "/v1/runs/run-00007/lineage",
+        f"{big}/lineage",
+        f"{big}/lineage?limit=100",
+        f"{big}/lineage?limit=100&before=20500",
+    ]
+    plans = page_plans(database, paths, store=tmp_path / "store", prefer_indexes=True, api=True)
+    assert {plan.path for plan in plans} == set(paths)
+    bad = {
+        f"{plan.path}: {scan}\n{plan.statement}\n{plan.text()}"
+        for plan in plans
+        for scan in plan.bad_scans()
+    }
+    assert bad == set(), "\n\n".join(sorted(bad))
+
+
 def test_the_seeded_figures_are_the_services(database: str) -> None:
     """The seed writes each run's ``run_activity`` row itself (in bulk); the service, asked
     to compute them from the attempts, finds the same: the benchmark measures real rows."""
