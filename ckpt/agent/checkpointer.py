@@ -229,6 +229,11 @@ class Checkpointer:
         return self.objects.counters
 
     @property
+    def stopping(self) -> bool:
+        """Whether SIGTERM or SIGINT reached this process: the next ``maybe_save()`` ends it."""
+        return self._preemption.requested
+
+    @property
     def rank(self) -> int:
         return self.ranks.rank
 

@@ -77,6 +77,7 @@ EXIT_CANNOT_EXECUTE = 126
 EXIT_NOT_FOUND = 127
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_RECHECK_SECONDS = 1.0
 
 
 class Outcome(enum.Enum):
@@ -184,7 +185,9 @@ class _Trainer:
     def wait(self, signals: _Signals) -> Ending:
         """Wait for the trainer to exit, forwarding stop signals; how it ended."""
         while not self._exited():
-            for signum in signals.wait(None):
+            # SIGCHLD wakes the wait at once; the timeout only bounds what a wakeup that
+            # never came (a signal coalesced or lost) could cost: a second, not forever.
+            for signum in signals.wait(_RECHECK_SECONDS):
                 self._forward(signum)
         # What the trainer leaves in its group (the data loader workers of a killed
         # trainer) must not outlive it: the next attempt would share the machine with them.

@@ -112,11 +112,43 @@ class Supervisor:
     def send(self, signum: signal.Signals) -> None:
         self.process.send_signal(signum)
 
-    def wait(self, timeout: float = 30.0) -> int:
-        return self.process.wait(timeout=timeout)
+    def wait(self, timeout: float = 60.0) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # What every process of the tree was doing: a hang must say where it hung.
+            pytest.fail(f"ckpt launch still runs after {timeout} s\n{self.snapshot()}")
+
+    def snapshot(self) -> str:
+        """The supervisor's log, and the state and signal masks of it and its children."""
+        lines = [f"log:\n{self.logged()}"]
+        pids = [self.process.pid, *_children_of(self.process.pid)]
+        for pid in pids:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text().splitlines()
+                wchan = Path(f"/proc/{pid}/wchan").read_text()
+            except OSError as err:
+                lines.append(f"pid {pid}: {err}")
+                continue
+            keep = ("Name", "State", "PPid", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+            fields = [line for line in status if line.split(":")[0] in keep]
+            lines.append(f"pid {pid} (wchan {wchan}): {'; '.join(fields)}")
+        return "\n".join(lines)
 
     def logged(self) -> str:
         return self.log.read_text()
+
+
+def _children_of(parent: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found
 
 
 StartSupervisor = Callable[..., Supervisor]

@@ -32,6 +32,7 @@ from ckpt.agent.demo.train import (
     NUM_SAMPLES,
     DrillStore,
     NoisyBlobs,
+    aim_drill,
     drill_armed,
     finish_drill,
     make_model,
@@ -129,6 +130,7 @@ def build(args: argparse.Namespace) -> Job:
         data=loader,
         every_steps=args.every,
     )
+    store.stopping = lambda: ckpt.stopping
     return Job(model, optimizer, scheduler, ckpt, store)
 
 
@@ -155,8 +157,13 @@ def arm_upload_drill(
     The previous save may still be uploading (a step of this model takes milliseconds): the
     drill waits for it to be durable first, so that it kills this bundle's upload alone.
     """
-    aimed = position == (args.kill_during_upload, 0) and dist.get_rank() == args.drill_rank
-    if aimed and drill_armed(args.drill_marker):
+    aimed = dist.get_rank() == args.drill_rank and aim_drill(
+        job.store,
+        at=args.kill_during_upload,
+        every=args.every,
+        position=position,
+    )
+    if aimed:
         if previous is not None:
             previous.wait()
         job.store.kill_in_upload_of = position[0]

@@ -20,6 +20,7 @@ compared with the reference's.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import signal
@@ -139,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"2. training {plan.steps} steps{_on_ranks(plan)} under `ckpt launch`, saving "
             f"every {plan.every}; "
             f"{plan.preemptions} SIGTERMs at random steps and a SIGKILL in the middle of "
-            f"the upload of the bundle of step {plan.kill_upload_at}"
+            f"the upload of the bundle of step {plan.kill_upload_at} (or the next one, when a "
+            "SIGTERM stops that attempt first)"
         )
         started = time.monotonic()
         rc, signals = _train_with_chaos(
@@ -275,15 +277,29 @@ def _train_with_chaos(
         trainers: dict[int, str] = {}  # epoch -> the pid file's trainer that ran it
         while launch.poll() is None:
             time.sleep(0.1)
-            if sent < len(targets) and _preempt_at(
+            if sent == len(targets):
+                continue
+            drilled = _drill_killed(work)
+            if not _preempt_at(
                 targets[sent], client, plan.run, pid_file=pid_file, trainers=trainers
             ):
-                sent += 1
-                print(
-                    f"   SIGTERM {sent} of {len(targets)} sent (step {targets[sent - 1]} or later)"
-                )
-                _await_restart(pid_file, launch)
+                continue
+            print(f"   SIGTERM {sent + 1} of {len(targets)} sent (step {targets[sent]} or later)")
+            _await_restart(pid_file, launch)
+            if not drilled and _drill_killed(work):
+                # The SIGKILL drill ended that attempt as the signal reached it: it was not
+                # preempted, so the signal is sent again, to the next attempt.
+                print("   it met the attempt the SIGKILL drill killed; sending it again")
+                continue
+            sent += 1
         return launch.wait(), sent
+
+
+def _drill_killed(work: Path) -> bool:
+    """Whether the SIGKILL drill has fired (the trainer records it before it dies)."""
+    with suppress(OSError, ValueError, KeyError, TypeError):
+        return bool(json.loads((work / DRILL_RECORD).read_text())["outcome"] == "killed")
+    return False
 
 
 def _await_restart(pid_file: Path, launch: subprocess.Popen[bytes]) -> None:
@@ -322,8 +338,8 @@ def _facts(url: str, token: str | None, run: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         # The SIGKILLed attempt never says goodbye: give the server's sweep the time to mark
-        # it lost (5 s without heartbeats, checked every 2.5 s).
-        deadline = time.monotonic() + 10
+        # it lost (5 s without heartbeats, checked every 2.5 s; longer on a busy machine).
+        deadline = time.monotonic() + 30
         while True:
             lineage = client.get(f"/v1/runs/{run}/lineage").raise_for_status().json()
             silent = [a for a in lineage["attempts"][:-1] if a["ended_at"] is None]

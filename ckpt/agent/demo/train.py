@@ -18,7 +18,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,7 +138,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kill-during-upload",
         type=int,
         default=None,
-        help="STEP: SIGKILL itself while uploading the bundle of that step",
+        help="STEP: SIGKILL itself while uploading the bundle of that step (or of the next "
+        "save, when that one is skipped or the process was told to stop)",
     )
     add(
         "--drill-marker",
@@ -177,10 +178,15 @@ class DrillStore:
         self.delay = delay
         self.marker = marker
         self.kill_in_upload_of: int | None = None  # the step whose bundle the drill aims at
+        self.drill_over = False  # it found its bundle stored already
+        self.spared = False  # it met a process told to stop: that attempt must end preempted
+        self.stopping: Callable[[], bool] = lambda: False  # Checkpointer.stopping, once built
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         if key.startswith("blobs/"):
-            if self.kill_in_upload_of is not None:
+            if self.kill_in_upload_of is not None and self.stopping():
+                self.spared = True
+            elif self.kill_in_upload_of is not None:
                 record_drill(self.marker, outcome="killed", step=self.kill_in_upload_of)
                 print("killed during an upload", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -223,6 +229,7 @@ def build(args: argparse.Namespace) -> Job:
         scaler=scaler,
         every_steps=args.every,
     )
+    store.stopping = lambda: ckpt.stopping
     return Job(model, optimizer, scheduler, scaler, ckpt, store)
 
 
@@ -245,20 +252,39 @@ def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> N
         counters.micro_step = 0
 
 
+def aim_drill(
+    store: DrillStore, *, at: int | None, every: int | None, position: tuple[int, int]
+) -> bool:
+    """Whether the SIGKILL drill aims at the save due at ``position``: the first save due at
+    or after step ``at``. Its upload spares a process told to stop (``DrillStore.put``: the
+    attempt of an emergency save must end preempted); a save spared, or skipped on a busy
+    machine, moves it to the next save.
+    """
+    if at is None or every is None:
+        return False
+    step, micro = position
+    due = micro == 0 and step % every == 0
+    return due and step >= at and not store.drill_over and drill_armed(store.marker)
+
+
 def finish_drill(store: DrillStore, saved: PendingSave | None) -> None:
     """Wait for the bundle the SIGKILL drill aims at, then disarm it.
 
     Uploading one of its blobs kills the process (``DrillStore.put``), so coming back here
-    means it had none to upload: the store already held every one (deduplicated), as it
-    does when an earlier run saved the same state. That is recorded, not hidden.
+    with a save means it had none to upload: the store already held every one
+    (deduplicated), as it does when an earlier run saved the same state. That is recorded,
+    not hidden. Without a save (skipped), or with one it spared, it aims at the next one.
     """
     step = store.kill_in_upload_of
     assert step is not None
     if saved is not None:
         saved.wait()
+    if saved is not None and not store.spared:
         print(f"SIGKILL drill: the bundle of step {step} had no blob to upload", flush=True)
         record_drill(store.marker, outcome="nothing to upload", step=step)
+        store.drill_over = True
     store.kill_in_upload_of = None
+    store.spared = False
 
 
 def save_and_maybe_die(job: Job, *, kill: bool) -> None:
@@ -282,8 +308,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             position = (counters.step, counters.micro_step)
             if position == args.save_at:
                 save_and_maybe_die(job, kill=args.kill_after_save)
-            drill = position == (args.kill_during_upload, 0) and drill_armed(args.drill_marker)
+            drill = aim_drill(
+                job.store, at=args.kill_during_upload, every=args.every, position=position
+            )
             if drill:
+                job.ckpt.wait()  # the save before durable: the drill kills this bundle's upload
                 job.store.kill_in_upload_of = counters.step
             if args.pause_at is not None and position == args.pause_at[0]:
                 print(f"a long step at {position[0]}.{position[1]}", flush=True)
