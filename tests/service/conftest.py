@@ -193,22 +193,23 @@ def serve(app: Any) -> tuple[str, Callable[[], None]]:
 MakeServer = Callable[..., Server]
 
 
-@pytest.fixture
-def make_server(
-    tmp_path_factory: pytest.TempPathFactory, catalogs: Catalogs
-) -> Iterator[MakeServer]:
-    """Start a fresh control plane: ``make_server("postgres" | "sqlite", **settings)``."""
-    stops: list[Callable[[], None]] = []
-    contexts: list[Context] = []
-    used: list[str] = []
+class _Servers:
+    """Control planes started for one scope, stopped (and their catalogs given back) at its
+    end."""
 
-    def make(backend: str, **overrides: Any) -> Server:
-        root = tmp_path_factory.mktemp("plane")
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, catalogs: Catalogs) -> None:
+        self._tmp, self._catalogs = tmp_path_factory, catalogs
+        self._stops: list[Callable[[], None]] = []
+        self._contexts: list[Context] = []
+        self._used: list[str] = []
+
+    def make(self, backend: str, **overrides: Any) -> Server:
+        root = self._tmp.mktemp("plane")
         if backend == "postgres":
-            url = catalogs.postgres()
-            used.append(url)
+            url = self._catalogs.postgres()
+            self._used.append(url)
         else:
-            url = catalogs.sqlite(root / "catalog.db")
+            url = self._catalogs.sqlite(root / "catalog.db")
         values: dict[str, Any] = {
             "database_url": url,
             "store": str(root / "store"),
@@ -220,20 +221,40 @@ def make_server(
         values.update(overrides)
         settings = Settings(**values)
         context = Context.create(settings)
-        contexts.append(context)
+        self._contexts.append(context)
         url_, stop = serve(create_app(settings, context=context))
-        stops.append(stop)
+        self._stops.append(stop)
         store = context.store
         assert isinstance(store, DirectoryStore)
         return Server(url=url_, context=context, store=store)
 
-    yield make
-    for stop in stops:
-        stop()
-    for context in contexts:
-        context.close()
-    for url in used:
-        catalogs.give_back(url)
+    def close(self) -> None:
+        for stop in self._stops:
+            stop()
+        for context in self._contexts:
+            context.close()
+        for url in self._used:
+            self._catalogs.give_back(url)
+
+
+@pytest.fixture
+def make_server(
+    tmp_path_factory: pytest.TempPathFactory, catalogs: Catalogs
+) -> Iterator[MakeServer]:
+    """Start a fresh control plane: ``make_server("postgres" | "sqlite", **settings)``."""
+    servers = _Servers(tmp_path_factory, catalogs)
+    yield servers.make
+    servers.close()
+
+
+@pytest.fixture(scope="module")
+def make_module_server(
+    tmp_path_factory: pytest.TempPathFactory, catalogs: Catalogs
+) -> Iterator[MakeServer]:
+    """``make_server`` for a module's tests to share: stopped when the module is done."""
+    servers = _Servers(tmp_path_factory, catalogs)
+    yield servers.make
+    servers.close()
 
 
 @pytest.fixture(params=["postgres", "sqlite"])
