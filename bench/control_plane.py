@@ -11,8 +11,9 @@ keep-alive connection and printed as p50 / p99 next to ``GET /healthz`` on the s
 - ``POST /v1/runs/{run}/attempts``: register an attempt + the resume decision
 - one whole save of one rank: open + 6 x record + commit (blob verification included)
 - the commit alone of a bundle of ``--commit-blobs`` new blobs (1,000 by default) of 4 KiB,
-  then of 256 KiB: a commit reads the blobs' metadata, never their bytes, so its time does
-  not grow with their size (``ckpt_blob_read_bytes_total`` is printed: 0)
+  then of 256 KiB, then of as many sizes (4 KiB + n bytes, as a model's tensors differ): a
+  commit reads the blobs' metadata, never their bytes, so its time does not grow with their
+  size (``ckpt_blob_read_bytes_total`` is printed: 0)
 
 SQLite (the embedded default) always; PostgreSQL with ``--postgres`` (a server URL such as
 ``postgresql://postgres@127.0.0.1:5432/postgres``: a database is created and dropped).
@@ -71,9 +72,11 @@ def timed_commits(
     blobs: int,
     size: int,
     repeat: int,
+    distinct: bool = False,
 ) -> tuple[float, float]:
     """p50 and p99 of the commit of ``repeat`` bundles, each of ``blobs`` new blobs of
-    ``size`` bytes spread over its six layers (uploaded and recorded untimed)."""
+    ``size`` bytes (``distinct``: each of its own size, as a model's tensors are) spread
+    over its six layers (uploaded and recorded untimed)."""
     samples = []
     for _ in range(repeat):
         opened = open_bundle(client, run, attempt, step=next(steps))
@@ -82,7 +85,12 @@ def timed_commits(
         for index, layer in enumerate(RESTORE_ORDER):
             count = blobs // len(RESTORE_ORDER) + (index < blobs % len(RESTORE_ORDER))
             answer = record(
-                client, bundle_id, 0, layer, attempt["epoch"], _layer(store, count, size)
+                client,
+                bundle_id,
+                0,
+                layer,
+                attempt["epoch"],
+                _layer(store, count, size, distinct=distinct),
             )
             answer.raise_for_status()
         started = time.perf_counter()
@@ -92,11 +100,11 @@ def timed_commits(
     return statistics.median(samples), samples[-1]
 
 
-def _layer(store: DirectoryStore, count: int, size: int) -> LayerRecord:
+def _layer(store: DirectoryStore, count: int, size: int, *, distinct: bool) -> LayerRecord:
     """A layer of one tensor whose payload is a header blob and ``count - 1`` data blobs
-    of ``size`` random bytes, uploaded."""
-    data = [os.urandom(size) for _ in range(count - 1)]
-    total = size * len(data)
+    of ``size`` random bytes (``distinct``: ``size + n`` for the n-th), uploaded."""
+    data = [os.urandom(size + n * distinct) for n in range(count - 1)]
+    total = sum(map(len, data))
     header = b'{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total, total)
     return LayerRecord(
         payload_bytes=len(header) + total,
@@ -135,6 +143,17 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
             rows[name] = timed_commits(
                 client, store, run, attempt, steps, blobs=args.commit_blobs, size=size, repeat=10
             )
+        rows[f"commit: {args.commit_blobs} blobs, as many sizes"] = timed_commits(
+            client,
+            store,
+            run,
+            attempt,
+            steps,
+            blobs=args.commit_blobs,
+            size=4 << 10,
+            repeat=10,
+            distinct=True,
+        )
         read = sum(
             float(line.split()[-1])
             for line in client.get("/metrics").text.splitlines()
@@ -142,10 +161,10 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
         )
     print(f"\n{label}: {args.bundles} bundles written in {fill:.1f} s")
     print(f"  blob bytes the control plane read back: {read:.0f}")
-    print(f"  {'call':<28} {'p50 ms':>8} {'p99 ms':>8} {'p50 / healthz':>14}")
-    print(f"  {'GET /healthz (floor)':<28} {floor[0] * 1e3:8.2f} {floor[1] * 1e3:8.2f} {1.0:14.1f}")
+    print(f"  {'call':<34} {'p50 ms':>8} {'p99 ms':>8} {'p50 / healthz':>14}")
+    print(f"  {'GET /healthz (floor)':<34} {floor[0] * 1e3:8.2f} {floor[1] * 1e3:8.2f} {1.0:14.1f}")
     for name, (p50, p99) in rows.items():
-        print(f"  {name:<28} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / floor[0]:14.1f}")
+        print(f"  {name:<34} {p50 * 1e3:8.2f} {p99 * 1e3:8.2f} {p50 / floor[0]:14.1f}")
 
 
 def main() -> None:

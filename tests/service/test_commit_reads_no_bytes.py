@@ -7,6 +7,7 @@ control plane's, and by ``ckpt_blob_read_bytes``; the scrubber's reads show the 
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import threading
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from ckpt.core.contract import RESTORE_ORDER, LayerRecord, TensorEntry
 from ckpt.core.storage import DirectoryStore, StoredObject, keys
 from ckpt.core.storage.s3 import whole_object_sha256
 from ckpt.service.bundles.blobs import stored_blobs
@@ -23,7 +25,16 @@ from ckpt.service.metrics import Metrics
 from ckpt.service.models import Blob
 from ckpt.service.scrub.service import scrub
 from tests.service.conftest import Server
-from tests.service.helpers import register, save
+from tests.service.helpers import (
+    commit,
+    make_layer,
+    open_bundle,
+    put_blob,
+    record,
+    register,
+    save,
+    statements,
+)
 
 
 class TallyingStore(DirectoryStore):
@@ -105,6 +116,46 @@ def test_a_commit_reads_no_blob_bytes(server: Server, run_name: str) -> None:
         assert metric(client, 'ckpt_blob_read_bytes_total{by="scrubber"}') == report.bytes
     rows = blob_rows(server, shas)
     assert all(row.hashed_at is not None for row in rows.values())
+
+
+def many_sized(store: DirectoryStore, sizes: int) -> LayerRecord:
+    """A layer of one tensor held in a header and ``sizes`` blobs of as many sizes (as a
+    model's tensors give), uploaded."""
+    data = [bytes([n]) * (n + 1) for n in range(sizes)]
+    total = sum(map(len, data))
+    header = b'{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total, total)
+    return LayerRecord(
+        payload_bytes=len(header) + total,
+        header_bytes=len(header),
+        blobs=tuple(put_blob(store, piece) for piece in [header, *data]),
+        tensors={"t": TensorEntry(dtype="U8", shape=(total,), data_offsets=(0, total))},
+    )
+
+
+def test_a_commit_makes_as_many_statements_however_many_sizes_its_blobs_have(
+    server: Server, run_name: str
+) -> None:
+    """A statement per distinct blob size made a real bundle's commit a round trip per
+    tensor shape."""
+    counted: dict[int, int] = {}
+    with server.client() as client:
+        attempt = register(client, run_name)
+        save(client, server.store, run_name, attempt, step=5)  # each commit has a parent
+        for step, sizes in ((10, 2), (20, 40)):
+            bundle = open_bundle(client, run_name, attempt, step=step).json()
+            for layer in RESTORE_ORDER:
+                rec = many_sized(server.store, sizes) if layer == "weights" else None
+                rec = rec or make_layer(server.store)[0]
+                assert record(client, bundle["id"], 0, layer, attempt["epoch"], rec).is_success
+            bundle_id: int = bundle["id"]
+            counted[sizes] = statements(
+                server, functools.partial(commit, client, bundle_id, attempt["epoch"])
+            )
+            answer = client.get(f"/v1/bundles/{bundle['id']}").json()
+            assert answer["status"] == "complete", answer
+            rows = blob_rows(server, shas_of(answer))
+            assert all(row.verified_at is not None for row in rows.values())
+    assert counted[40] == counted[2], counted
 
 
 def test_wrong_bytes_of_the_right_size_commit_and_the_scrubber_quarantines_them(

@@ -203,6 +203,7 @@ def _finish_commit(
             run,
             plan=plan,
             stored=stored,
+            locked=rows,
             manifest=manifest,
             actor=principal.actor,
         )
@@ -245,6 +246,7 @@ def _complete(
     *,
     plan: _Plan,
     stored: Mapping[str, StoredBlob],
+    locked: Mapping[str, repository.Health],
     manifest: Manifest,
     actor: str,
 ) -> None:
@@ -256,6 +258,7 @@ def _complete(
         sizes={sha: size for sha, size in plan.sizes.items() if sha not in plan.verified},
         hashed={sha for sha, blob in stored.items() if blob.sha256_ok},
         at=now,
+        locked=locked,
     )
     bundle.status = BundleStatus.COMPLETE
     bundle.committed_at = now

@@ -116,12 +116,13 @@ def _lift(
     with context.transaction() as session:
         bundle, run, _ = for_write(session, principal, bundle_id, lock=Lock.UPDATE)
         if bundle.status == BundleStatus.QUARANTINED:
-            if damage.found_since(repository.lock_blobs(session, shas=sizes).values(), read_at):
+            locked = repository.lock_blobs(session, shas=sizes)
+            if damage.found_since(locked.values(), read_at):
                 raise ConflictError(
                     f"a blob of bundle {bundle_id} was found damaged while it was being "
                     "checked; retry"
                 )
-            repository.mark_verified(session, sizes=sizes, hashed=sizes, at=utcnow())
+            repository.mark_verified(session, sizes=sizes, hashed=sizes, at=utcnow(), locked=locked)
             bundle.status = BundleStatus.COMPLETE
             bundle.reason = None
             events.record(

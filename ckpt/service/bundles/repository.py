@@ -184,6 +184,7 @@ class Health(NamedTuple):
 
     verified_at: datetime | None
     damaged_at: datetime | None
+    size: int  # what the catalog says: a record's, until a commit finds the stored one
 
 
 def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
@@ -195,12 +196,14 @@ def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
     for start in range(0, len(ordered), _BATCH):
         chunk = ordered[start : start + _BATCH]
         rows = session.execute(
-            select(Blob.sha256, Blob.verified_at, Blob.damaged_at)
+            select(Blob.sha256, Blob.verified_at, Blob.damaged_at, Blob.size)
             .where(one_of(session, Blob.sha256, chunk))
             .order_by(Blob.sha256)
             .with_for_update()
         )
-        found.update((sha, Health(verified, damaged)) for sha, verified, damaged in rows)
+        found.update(
+            (sha, Health(verified, damaged, size)) for sha, verified, damaged, size in rows
+        )
     return found
 
 
@@ -210,33 +213,52 @@ def blob_health(session: Session, *, shas: Collection[str]) -> dict[str, Health]
     ordered = sorted(shas)
     for start in range(0, len(ordered), _BATCH):
         rows = session.execute(
-            select(Blob.sha256, Blob.verified_at, Blob.damaged_at).where(
+            select(Blob.sha256, Blob.verified_at, Blob.damaged_at, Blob.size).where(
                 one_of(session, Blob.sha256, ordered[start : start + _BATCH])
             )
         )
-        found.update((sha, Health(verified, damaged)) for sha, verified, damaged in rows)
+        found.update(
+            (sha, Health(verified, damaged, size)) for sha, verified, damaged, size in rows
+        )
     return found
 
 
 def mark_verified(
-    session: Session, *, sizes: Mapping[str, int], hashed: Collection[str], at: datetime
+    session: Session,
+    *,
+    sizes: Mapping[str, int],
+    hashed: Collection[str],
+    at: datetime,
+    locked: Mapping[str, Health],
 ) -> None:
     """Record that these blobs were found whole with these sizes (and the ``hashed`` ones
     with their bytes matching their SHA-256): any damage found before is gone (they were
-    written again). The caller holds the rows' locks (``lock_blobs``)."""
-    by_size: dict[int, list[str]] = {}
+    written again). The caller holds the rows' locks: ``locked`` is what ``lock_blobs``
+    answered.
+
+    One statement marks them all (and the hashed ones with it, when that is all of them);
+    a size is written only where the catalog's differs (a record's that the store did not
+    bear out): a statement per distinct size cost a real bundle, whose tensors' blobs
+    have as many sizes, a round trip each.
+    """
+    resized: dict[int, list[str]] = {}
     for sha, size in sorted(sizes.items()):
-        by_size.setdefault(size, []).append(sha)
-    changes: list[tuple[list[str], dict[str, Any]]] = [
-        (shas, {"size": size, "verified_at": at, "damaged_at": None, "damage": None})
-        for size, shas in by_size.items()
-    ]
-    for shas, values in [*changes, (sorted(hashed), {"hashed_at": at})]:
+        row = locked.get(sha)
+        if row is not None and row.size != size:
+            resized.setdefault(size, []).append(sha)
+    values: dict[str, Any] = {"verified_at": at, "damaged_at": None, "damage": None}
+    changes: list[tuple[list[str], dict[str, Any]]] = []
+    if set(hashed) == set(sizes):
+        changes.append((sorted(sizes), {**values, "hashed_at": at}))
+    else:
+        changes += [(sorted(sizes), values), (sorted(hashed), {"hashed_at": at})]
+    changes += [(shas, {"size": size}) for size, shas in resized.items()]
+    for shas, change in changes:
         for start in range(0, len(shas), _BATCH):
             session.execute(
                 update(Blob)
                 .where(one_of(session, Blob.sha256, shas[start : start + _BATCH]))
-                .values(values)
+                .values(change)
                 .execution_options(synchronize_session=False)
             )
 
