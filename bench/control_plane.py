@@ -35,11 +35,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckpt.core.contract import RESTORE_ORDER, LayerRecord, TensorEntry
+from ckpt.core.contract import RESTORE_ORDER, LayerRecord
 from ckpt.core.storage import DirectoryStore
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
-from tests.service.helpers import commit, open_bundle, put_blob, record, register, save
+from tests.service.helpers import commit, layer_of_blobs, open_bundle, record, register, save
 
 
 def timed(action: Callable[[], object], repeat: int) -> tuple[float, float]:
@@ -103,15 +103,7 @@ def timed_commits(
 def _layer(store: DirectoryStore, count: int, size: int, *, distinct: bool) -> LayerRecord:
     """A layer of one tensor whose payload is a header blob and ``count - 1`` data blobs
     of ``size`` random bytes (``distinct``: ``size + n`` for the n-th), uploaded."""
-    data = [os.urandom(size + n * distinct) for n in range(count - 1)]
-    total = sum(map(len, data))
-    header = b'{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total, total)
-    return LayerRecord(
-        payload_bytes=len(header) + total,
-        header_bytes=len(header),
-        blobs=tuple(put_blob(store, piece) for piece in [header, *data]),
-        tensors={"t": TensorEntry(dtype="U8", shape=(total,), data_offsets=(0, total))},
-    )
+    return layer_of_blobs(store, [os.urandom(size + n * distinct) for n in range(count - 1)])
 
 
 def measure(label: str, root: Path, database_url: str | None, args: argparse.Namespace) -> None:

@@ -47,6 +47,19 @@ def make_layer(
     return record, pieces
 
 
+def layer_of_blobs(store: DirectoryStore, data: list[bytes]) -> LayerRecord:
+    """A valid record of one tensor whose bytes are split over the ``data`` blobs, after a
+    header blob; all put in ``store``."""
+    total = sum(map(len, data))
+    header = b'{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total, total)
+    return LayerRecord(
+        payload_bytes=len(header) + total,
+        header_bytes=len(header),
+        blobs=tuple(put_blob(store, piece) for piece in [header, *data]),
+        tensors={"t": TensorEntry(dtype="U8", shape=(total,), data_offsets=(0, total))},
+    )
+
+
 def register(client: httpx.Client, run: str, **body: Any) -> dict[str, Any]:
     response = client.post(f"/v1/runs/{run}/attempts", json=body)
     assert response.status_code == 201, response.text

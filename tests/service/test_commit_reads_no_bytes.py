@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ckpt.core.contract import RESTORE_ORDER, LayerRecord, TensorEntry
+from ckpt.core.contract import RESTORE_ORDER
 from ckpt.core.storage import DirectoryStore, StoredObject, keys
 from ckpt.core.storage.s3 import whole_object_sha256
 from ckpt.service.bundles.blobs import stored_blobs
@@ -27,9 +27,9 @@ from ckpt.service.scrub.service import scrub
 from tests.service.conftest import Server
 from tests.service.helpers import (
     commit,
+    layer_of_blobs,
     make_layer,
     open_bundle,
-    put_blob,
     record,
     register,
     save,
@@ -118,20 +118,6 @@ def test_a_commit_reads_no_blob_bytes(server: Server, run_name: str) -> None:
     assert all(row.hashed_at is not None for row in rows.values())
 
 
-def many_sized(store: DirectoryStore, sizes: int) -> LayerRecord:
-    """A layer of one tensor held in a header and ``sizes`` blobs of as many sizes (as a
-    model's tensors give), uploaded."""
-    data = [bytes([n]) * (n + 1) for n in range(sizes)]
-    total = sum(map(len, data))
-    header = b'{"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}' % (total, total)
-    return LayerRecord(
-        payload_bytes=len(header) + total,
-        header_bytes=len(header),
-        blobs=tuple(put_blob(store, piece) for piece in [header, *data]),
-        tensors={"t": TensorEntry(dtype="U8", shape=(total,), data_offsets=(0, total))},
-    )
-
-
 def test_a_commit_makes_as_many_statements_however_many_sizes_its_blobs_have(
     server: Server, run_name: str
 ) -> None:
@@ -142,16 +128,17 @@ def test_a_commit_makes_as_many_statements_however_many_sizes_its_blobs_have(
         attempt = register(client, run_name)
         save(client, server.store, run_name, attempt, step=5)  # each commit has a parent
         for step, sizes in ((10, 2), (20, 40)):
-            bundle = open_bundle(client, run_name, attempt, step=step).json()
+            bundle_id: int = open_bundle(client, run_name, attempt, step=step).json()["id"]
             for layer in RESTORE_ORDER:
-                rec = many_sized(server.store, sizes) if layer == "weights" else None
-                rec = rec or make_layer(server.store)[0]
-                assert record(client, bundle["id"], 0, layer, attempt["epoch"], rec).is_success
-            bundle_id: int = bundle["id"]
+                if layer == "weights":  # one tensor, in blobs of 1, 2, ... bytes
+                    rec = layer_of_blobs(server.store, [bytes([n]) * (n + 1) for n in range(sizes)])
+                else:
+                    rec, _ = make_layer(server.store)
+                assert record(client, bundle_id, 0, layer, attempt["epoch"], rec).is_success
             counted[sizes] = statements(
                 server, functools.partial(commit, client, bundle_id, attempt["epoch"])
             )
-            answer = client.get(f"/v1/bundles/{bundle['id']}").json()
+            answer = client.get(f"/v1/bundles/{bundle_id}").json()
             assert answer["status"] == "complete", answer
             rows = blob_rows(server, shas_of(answer))
             assert all(row.verified_at is not None for row in rows.values())
