@@ -9,7 +9,8 @@ lock, so concurrent commits from many ranks produce one complete bundle.
 
 A blob is hashed once: later commits check only its presence and size, unless it was found
 damaged since (``damage.py``), when it is read and hashed again; intact, its damage is
-cleared. A commit that finds a blob absent or not matching its SHA-256 marks it damaged.
+cleared. Blob health is read once, under the lock: a blob found damaged there that the
+round only sized makes the commit check again, reading it back. A commit that finds a blob absent or not matching its SHA-256 marks it damaged.
 For a run token, a blob its run's dedup group never committed must have been written since
 the bundle was opened (``isolation.py``).
 """
@@ -51,6 +52,7 @@ def commit_bundle(
     context: Context, principal: Principal, *, bundle_id: int, request: Commit
 ) -> Committed:
     """Make the bundle complete if nothing is missing; else 409 listing exactly what is."""
+    damaged: frozenset[str] = frozenset()  # to read back: found damaged by a round's lock
     for _ in range(_COMMIT_ROUNDS):
         with context.transaction() as session:
             bundle, run, attempt = for_write(session, principal, bundle_id, lock=Lock.NONE)
@@ -58,7 +60,7 @@ def commit_bundle(
             if bundle.status == BundleStatus.COMPLETE:
                 return _committed(session, bundle, run)
             _check_pending(bundle)
-            plan = _plan(session, bundle, run, principal=principal)
+            plan = _plan(session, bundle, run, principal=principal, damaged=damaged)
         read_at = utcnow()
         stored = stored_blobs(
             context.store,
@@ -78,8 +80,9 @@ def commit_bundle(
             read_at=read_at,
             stored=stored,
         )
-        if done is not None:
+        if isinstance(done, Committed):
             return done
+        damaged = done
     raise ConflictError(
         f"bundle {bundle_id}: layers kept being recorded (or its blobs found damaged) while it "
         "was committed; commit again once every rank has recorded its layers"
@@ -96,19 +99,20 @@ class _Plan:
     layer_ids: dict[tuple[int, str], int]
     recorded: list[RecordedLayer]  # as the answer shows them
     sizes: dict[str, int]  # every referenced blob
-    verified: frozenset[str]  # those the service found whole before, and not damaged since
-    damaged: frozenset[str]  # those found damaged and not found whole since
+    damaged: frozenset[str]  # those to read back: an earlier round found them damaged
     unproven: frozenset[str]  # those the run must show it wrote (run isolation)
     opened_at: datetime
 
 
-def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -> _Plan:
+def _plan(
+    session: Session, bundle: Bundle, run: Run, *, principal: Principal, damaged: frozenset[str]
+) -> _Plan:
+    """The blobs' health is not read here: it is read once, under the lock, and a blob
+    found damaged there that this round only sized is read back in the next (rare: the
+    agent rewrites damaged blobs)."""
     rows = repository.layers_of(session, bundle_id=bundle.id)
     records = {(row.rank, Layer(row.layer)): LayerRecord.model_validate(row.record) for row in rows}
     sizes = {blob.sha256: blob.size for record in records.values() for blob in record.blobs}
-    known = repository.blob_health(session, shas=sizes)
-    verified = frozenset(sha for sha, blob in known.items() if damage.trusted(blob))
-    damaged = frozenset(sha for sha, blob in known.items() if blob.damaged_at is not None)
     unproven = frozenset(
         set(sizes) - isolation.owned(session, run, shas=sizes)
         if isolation.limited(principal)
@@ -119,8 +123,7 @@ def _plan(session: Session, bundle: Bundle, run: Run, *, principal: Principal) -
         layer_ids={(row.rank, row.layer): row.id for row in rows},
         recorded=recorded_layers(rows),
         sizes=sizes,
-        verified=verified,
-        damaged=damaged,
+        damaged=damaged & sizes.keys(),
         unproven=unproven,
         opened_at=bundle.created_at,
     )
@@ -169,9 +172,10 @@ def _finish_commit(
     plan: _Plan,
     read_at: datetime,
     stored: Mapping[str, StoredBlob],
-) -> Committed | None:
-    """Decide under the run's lock; None when layers were recorded since ``plan``, or a
-    blob was found damaged since the store was read at ``read_at`` (check again)."""
+) -> Committed | frozenset[str]:
+    """Decide under the run's lock. Or check again, reading back the blobs answered: when
+    layers were recorded since ``plan``, or the catalog says damaged a blob that the store
+    showed whole (this round sized it only, or it was found damaged since ``read_at``)."""
     with context.transaction() as session:
         bundle, run, attempt = for_write(session, principal, bundle_id, lock=Lock.UPDATE)
         check_epoch(context, run, attempt=attempt, claimed=request.epoch)
@@ -179,20 +183,13 @@ def _finish_commit(
             return _committed(session, bundle, run)
         _check_pending(bundle)
         if repository.layer_ids(session, bundle_id=bundle.id) != plan.layer_ids:
-            return None
+            return plan.damaged
         # The blobs' rows stay locked until the bundle is complete: a blob found damaged
-        # meanwhile waits, then quarantines it; one found damaged since the store was read
-        # is read again.
+        # meanwhile waits, then quarantines it.
         rows = repository.lock_blobs(session, shas=plan.sizes)
-        seen_whole = [
-            row
-            for sha, row in rows.items()
-            if completeness.blob_problem(plan.sizes[sha], stored[sha]) is None
-        ]
-        if damage.found_since(seen_whole, read_at) or not plan.verified <= {
-            sha for sha, row in rows.items() if damage.trusted(row)
-        }:
-            return None
+        unsettled = _unsettled(plan, rows, stored, read_at=read_at)
+        if unsettled:
+            return plan.damaged | unsettled
         _check_complete(context, bundle, run, plan=plan, stored=stored)
         manifest = _manifest(bundle, run, attempt, plan.records)
         _write_manifest(context.store, manifest)
@@ -208,6 +205,26 @@ def _finish_commit(
             actor=principal.actor,
         )
         return _committed(session, bundle, run, recorded=plan.recorded, manifest=manifest)
+
+
+def _unsettled(
+    plan: _Plan,
+    rows: Mapping[str, repository.Health],
+    stored: Mapping[str, StoredBlob],
+    *,
+    read_at: datetime,
+) -> frozenset[str]:
+    """The blobs the store showed whole that the catalog says damaged: sized only (a size
+    cannot tell a rewritten blob from a rotten one), or found damaged since they were read
+    back at ``read_at``. A blob read back whole that was damaged before is not: the commit
+    clears its damage."""
+    return frozenset(
+        sha
+        for sha, row in rows.items()
+        if row.damaged_at is not None
+        and completeness.blob_problem(plan.sizes[sha], stored[sha]) is None
+        and (sha not in plan.damaged or row.damaged_at >= read_at)
+    )
 
 
 def _check_complete(
@@ -255,7 +272,11 @@ def _complete(
     now = utcnow()
     repository.mark_verified(
         session,
-        sizes={sha: size for sha, size in plan.sizes.items() if sha not in plan.verified},
+        sizes={
+            sha: size
+            for sha, size in plan.sizes.items()
+            if sha not in locked or not damage.trusted(locked[sha])
+        },
         hashed={sha for sha, blob in stored.items() if blob.sha256_ok},
         at=now,
         locked=locked,

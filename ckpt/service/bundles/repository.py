@@ -207,22 +207,6 @@ def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
     return found
 
 
-def blob_health(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
-    """The health of these blobs' catalog rows (columns only: no ORM objects)."""
-    found: dict[str, Health] = {}
-    ordered = sorted(shas)
-    for start in range(0, len(ordered), _BATCH):
-        rows = session.execute(
-            select(Blob.sha256, Blob.verified_at, Blob.damaged_at, Blob.size).where(
-                one_of(session, Blob.sha256, ordered[start : start + _BATCH])
-            )
-        )
-        found.update(
-            (sha, Health(verified, damaged, size)) for sha, verified, damaged, size in rows
-        )
-    return found
-
-
 def mark_verified(
     session: Session,
     *,
