@@ -311,6 +311,8 @@ class LayerBlob(Base):
 
 
 class Blob(Base):
+    # On PostgreSQL its pages are half full (fillfactor 50, migration 2026_12_03_0013): a
+    # row is updated once, by its bundle's commit, and the new version then fits its page.
     __tablename__ = "blob"
     __table_args__ = (CheckConstraint("size >= 0", name="size"),)
 

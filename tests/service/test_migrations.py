@@ -13,7 +13,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, Engine, Integer, MetaData, String, inspect, select
+from sqlalchemy import Column, Engine, Integer, MetaData, String, inspect, select, text
 from sqlalchemy.orm import Session
 
 from ckpt.service.db import alembic_config, make_engine, schema_revision, upgrade
@@ -88,6 +88,39 @@ def test_migrations_and_models_agree(database_url: str, engine: Engine) -> None:
     assert diff(engine) == []
     head = head_revision(database_url)
     assert schema_revision(engine) == (head, head)
+
+
+def test_postgresql_leaves_room_for_a_blobs_commit_and_compresses_manifests_with_lz4(
+    database_url: str, engine: Engine
+) -> None:
+    # A blob's row is updated once, by its bundle's commit: with half of each page free the
+    # update stays on the page (a heap-only tuple, no new primary-key entry).
+    if engine.dialect.name != "postgresql":
+        pytest.skip("PostgreSQL's storage settings; SQLite has none")
+    upgrade(database_url)
+    with engine.connect() as connection:
+        options = connection.execute(
+            text("SELECT reloptions FROM pg_class WHERE relname = 'blob'")
+        ).scalar()
+        lz4 = connection.execute(
+            text(
+                "SELECT 'lz4' = ANY(enumvals) FROM pg_settings "
+                "WHERE name = 'default_toast_compression'"
+            )
+        ).scalar()
+        compression = {
+            table: connection.execute(
+                text(
+                    "SELECT attcompression FROM pg_attribute "
+                    "WHERE attrelid = CAST(:table AS regclass) AND attname = :column"
+                ),
+                {"table": table, "column": column},
+            ).scalar()
+            for table, column in (("bundle", "manifest"), ("layer", "record"))
+        }
+    assert options == ["fillfactor=50"]
+    if lz4:
+        assert compression == {"bundle": "l", "layer": "l"}
 
 
 def test_the_agreement_check_sees_an_extra_column(database_url: str, engine: Engine) -> None:
