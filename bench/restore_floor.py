@@ -1,6 +1,6 @@
 """Where a verified restore's time goes: ``resume()`` beside raw reads of the same blobs.
 
-    .venv/bin/python bench/restore_floor.py [--repeat 5] [--width 3264] [--layers 8]
+    .venv/bin/python bench/restore_floor.py [--repeat 5] [--width 3264] [--layers 8] [--cold]
 
 One bundle of the ``bench/save_restore.py`` state (8 x nn.Linear(3264, 3264) + Adam, 1.02 GB)
 is saved to a directory store. Then each of these runs in a process of its own, as a
@@ -12,6 +12,11 @@ replacement pod's restore does, in a rotating order, ``--repeat`` times (medians
 - the same blobs read raw on as many threads into new memory, kept until the last lands:
   unverified, hashing each with SHA-256 (what a restore verifies), and with BLAKE3 when the
   ``blake3`` package is installed (a faster cryptographic hash, for comparison).
+
+``--cold`` drops the blobs' pages from the page cache before each measurement
+(``posix_fadvise(DONTNEED)``, untimed), as a replacement pod on another node finds them: the
+reads then wait on the disk, and hashing overlaps the wait. Without it the blobs are in the
+page cache (just written), the fastest a read can be.
 
 A process of its own for each: in one long process, memory freed by one measurement and
 touched again by the next costs what the host took back in between (a first touch runs at
@@ -93,6 +98,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--cold", action="store_true", help="drop the blobs' cached pages first")
     parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one child's task
     args = parser.parse_args()
     os.environ.setdefault("CKPT_QUIET", "1")
@@ -120,8 +126,20 @@ def blobs_of(work: Path) -> list[tuple[str, int]]:
     )
 
 
+def drop_cached(root: Path, blobs: list[tuple[str, int]]) -> None:
+    """Evict the blobs' pages from the page cache (they are clean: the save fsynced them)."""
+    for key, _ in blobs:
+        descriptor = os.open(root / key, os.O_RDONLY)
+        try:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
 def measure(args: argparse.Namespace, work: Path, name: str) -> Timing:
     """One measurement, in this (fresh) process."""
+    if args.cold:
+        drop_cached(work, blobs_of(work))
     if name != RESUME:
         blobs, digest = blobs_of(work), hashes()[name]
         return timed(lambda: raw_read(work, blobs, digest))
@@ -142,11 +160,12 @@ def compare(args: argparse.Namespace, work: Path) -> None:
     print(
         f"{len(blobs)} blobs, {sum(size for _, size in blobs) / 1e9:.3f} GB; "
         f"{os.cpu_count()} CPUs, {IO_THREADS} I/O threads; each in a process of its own, "
-        f"medians of {args.repeat}",
+        f"medians of {args.repeat}; page cache {'dropped' if args.cold else 'warm'}",
         flush=True,
     )
     timings: dict[str, list[Timing]] = {name: [] for name in names}
     child = [sys.executable, __file__, "--width", str(args.width), "--layers", str(args.layers)]
+    child += ["--cold"] if args.cold else []
     for index in range(args.repeat):
         for name in names[index % len(names) :] + names[: index % len(names)]:
             done = subprocess.run(
