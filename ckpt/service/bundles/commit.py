@@ -10,9 +10,10 @@ lock, so concurrent commits from many ranks produce one complete bundle.
 A blob is hashed once: later commits check only its presence and size, unless it was found
 damaged since (``damage.py``), when it is read and hashed again; intact, its damage is
 cleared. Blob health is read once, under the lock: a blob found damaged there that the
-round only sized makes the commit check again, reading it back. A commit that finds a blob absent or not matching its SHA-256 marks it damaged.
-For a run token, a blob its run's dedup group never committed must have been written since
-the bundle was opened (``isolation.py``).
+round only sized makes the commit check again, reading it back. A commit that finds a blob
+absent or not matching its SHA-256 marks it damaged. For a run token, a blob its run's
+dedup group never committed must have been written since the bundle was opened
+(``isolation.py``).
 """
 
 from __future__ import annotations
