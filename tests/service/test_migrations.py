@@ -90,34 +90,46 @@ def test_migrations_and_models_agree(database_url: str, engine: Engine) -> None:
     assert schema_revision(engine) == (head, head)
 
 
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    url = create_pg_database()
+    try:
+        yield url
+    finally:
+        drop_pg_database(url)
+
+
 def test_postgresql_leaves_room_for_a_blobs_commit_and_compresses_manifests_with_lz4(
-    database_url: str, engine: Engine
+    postgres_url: str,
 ) -> None:
     # A blob's row is updated once, by its bundle's commit: with half of each page free the
-    # update stays on the page (a heap-only tuple, no new primary-key entry).
-    if engine.dialect.name != "postgresql":
-        pytest.skip("PostgreSQL's storage settings; SQLite has none")
-    upgrade(database_url)
-    with engine.connect() as connection:
-        options = connection.execute(
-            text("SELECT reloptions FROM pg_class WHERE relname = 'blob'")
-        ).scalar()
-        lz4 = connection.execute(
-            text(
-                "SELECT 'lz4' = ANY(enumvals) FROM pg_settings "
-                "WHERE name = 'default_toast_compression'"
-            )
-        ).scalar()
-        compression = {
-            table: connection.execute(
-                text(
-                    "SELECT attcompression FROM pg_attribute "
-                    "WHERE attrelid = CAST(:table AS regclass) AND attname = :column"
-                ),
-                {"table": table, "column": column},
+    # update stays on the page (a heap-only tuple, no new primary-key entry). SQLite has
+    # neither setting.
+    upgrade(postgres_url)
+    engine = make_engine(postgres_url)
+    try:
+        with engine.connect() as connection:
+            options = connection.execute(
+                text("SELECT reloptions FROM pg_class WHERE relname = 'blob'")
             ).scalar()
-            for table, column in (("bundle", "manifest"), ("layer", "record"))
-        }
+            lz4 = connection.execute(
+                text(
+                    "SELECT 'lz4' = ANY(enumvals) FROM pg_settings "
+                    "WHERE name = 'default_toast_compression'"
+                )
+            ).scalar()
+            compression = {
+                table: connection.execute(
+                    text(
+                        "SELECT attcompression FROM pg_attribute "
+                        "WHERE attrelid = CAST(:table AS regclass) AND attname = :column"
+                    ),
+                    {"table": table, "column": column},
+                ).scalar()
+                for table, column in (("bundle", "manifest"), ("layer", "record"))
+            }
+    finally:
+        engine.dispose()
     assert options == ["fillfactor=50"]
     if lz4:
         assert compression == {"bundle": "l", "layer": "l"}
