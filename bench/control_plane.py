@@ -132,9 +132,11 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
             lambda: save(client, store, run, attempt, step=next(steps)),
             max(20, args.repeat // 10),
         )
-        for size in (4 << 10, 256 << 10):
-            name = f"commit: {args.commit_blobs} blobs of {size >> 10} KiB"
-            rows[name] = timed_commits(
+        kinds = {f"of {size >> 10} KiB": (size, False) for size in (4 << 10, 256 << 10)} | {
+            "as many sizes": (4 << 10, True)
+        }
+        for kind, (size, distinct) in kinds.items():
+            rows[f"commit: {args.commit_blobs} blobs {kind}"] = timed_commits(
                 client,
                 store,
                 run,
@@ -143,18 +145,8 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
                 blobs=args.commit_blobs,
                 size=size,
                 repeat=args.commit_repeat,
+                distinct=distinct,
             )
-        rows[f"commit: {args.commit_blobs} blobs, as many sizes"] = timed_commits(
-            client,
-            store,
-            run,
-            attempt,
-            steps,
-            blobs=args.commit_blobs,
-            size=4 << 10,
-            repeat=args.commit_repeat,
-            distinct=True,
-        )
         read = sum(
             float(line.split()[-1])
             for line in client.get("/metrics").text.splitlines()
