@@ -132,8 +132,10 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
             lambda: save(client, store, run, attempt, step=next(steps)),
             max(20, args.repeat // 10),
         )
-        kinds = {f"of {size >> 10} KiB": (size, False) for size in (4 << 10, 256 << 10)} | {
-            "as many sizes": (4 << 10, True)
+        kinds = {  # blob size, and whether each blob has a size of its own (+ n bytes)
+            "of 4 KiB": (4 << 10, False),
+            "of 256 KiB": (256 << 10, False),
+            "as many sizes": (4 << 10, True),
         }
         for kind, (size, distinct) in kinds.items():
             rows[f"commit: {args.commit_blobs} blobs {kind}"] = timed_commits(
