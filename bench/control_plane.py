@@ -12,9 +12,9 @@ keep-alive connection and printed as p50 / p99 next to ``GET /healthz`` on the s
 - ``POST /v1/runs/{run}/attempts``: register an attempt + the resume decision
 - one whole save of one rank: open + 6 x record + commit (blob verification included)
 - the commit alone of ``--commit-repeat`` bundles of ``--commit-blobs`` new blobs (1,000 by
-  default) of 4 KiB, then of 256 KiB, then of as many sizes (4 KiB + n bytes, as a model's tensors differ): a
-  commit reads the blobs' metadata, never their bytes, so its time does not grow with their
-  size (``ckpt_blob_read_bytes_total`` is printed: 0)
+  default) of 4 KiB, then of 256 KiB, then of as many sizes (4 KiB + n bytes, as a model's
+  tensors differ): a commit reads the blobs' metadata, never their bytes, so its time does
+  not grow with their size (``ckpt_blob_read_bytes_total`` is printed: 0)
 
 SQLite (the embedded default) always; PostgreSQL with ``--postgres`` (a server URL such as
 ``postgresql://postgres@127.0.0.1:5432/postgres``: a database is created and dropped).
@@ -170,7 +170,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--commit-blobs", type=int, default=1000)
     parser.add_argument(
-        "--commit-repeat", type=int, default=10, help="commits timed of each kind (p99: the last)"
+        "--commit-repeat",
+        type=int,
+        default=10,
+        help="commits timed of each kind (p99: the nearest rank)",
     )
     parser.add_argument("--postgres", help="a PostgreSQL server URL to benchmark too")
     args = parser.parse_args()

@@ -11,25 +11,16 @@ The control plane's connections price a random page at 1.1 (``ckpt.service.db``)
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Iterator
-from typing import Any
 
-from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from ckpt.service.bundles import repository
 from ckpt.service.db import make_engine
 from ckpt.service.models import utcnow
 from tests.service.conftest import Catalogs
+from tests.ui.plans import Plan, explain, nodes, recorded, shown
 
 ROWS = 60_000  # at 4, a sequential scan: up to 100,000 rows here, a bitmap scan from 150,000
-
-
-def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", ()):
-        yield from nodes(child)
 
 
 def test_a_commits_blob_rows_are_found_through_the_primary_key(catalogs: Catalogs) -> None:
@@ -44,34 +35,32 @@ def test_a_commits_blob_rows_are_found_through_the_primary_key(catalogs: Catalog
             )
             connection.exec_driver_sql("ANALYZE blob")
         shas = {hashlib.sha256(n.to_bytes(8, "big")).hexdigest() for n in range(1, 1001)}
-        statements: list[tuple[str, Any]] = []
-
-        def recorded(*args: Any) -> None:
-            statements.append((args[2], args[3]))  # the statement and its parameters
-
-        with Session(engine) as session:
-            event.listen(engine, "before_cursor_execute", recorded)
+        with (
+            Session(engine) as session,
+            recorded(engine, kinds=("SELECT", "UPDATE")) as statements,
+        ):
             locked = repository.lock_blobs(session, shas=shas)
             repository.mark_verified(
                 session, sizes=dict.fromkeys(shas, 4096), hashed=shas, at=utcnow(), locked=locked
             )
-            event.remove(engine, "before_cursor_execute", recorded)
-            assert len(locked) == 1000
-            plans: dict[str, Any] = {
-                statement.split()[0]: session.connection()
-                .exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters)
-                .scalar()
-                for statement, parameters in statements
-            }
             session.rollback()
+        assert len(locked) == 1000
+        plans = {
+            statement.split()[0]: Plan(
+                "a commit",
+                statement,
+                explain(engine, statement, parameters, prefer_indexes=False),
+            )
+            for statement, parameters in statements
+        }
     finally:
         engine.dispose()
         catalogs.give_back(url)
     assert set(plans) == {"SELECT", "UPDATE"}
-    for kind, plan in plans.items():
+    for plan in plans.values():
         scans = [
             node["Node Type"]
-            for node in nodes(plan[0]["Plan"])
+            for node in nodes(plan.plan)
             if node.get("Relation Name") == "blob" and "Scan" in node["Node Type"]
         ]
-        assert scans and "Seq Scan" not in scans, f"{kind}: {json.dumps(plan, indent=1)}"
+        assert scans and "Seq Scan" not in scans, shown(plan)

@@ -154,14 +154,15 @@ def _client(url: str, *, api: bool) -> Iterator[httpx.Client]:
         yield client
 
 
-def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A plan's node and every node below it."""
     yield node
     for child in node.get("Plans", []):
-        yield from _nodes(child)
+        yield from nodes(child)
 
 
 def _bad_scans(top: dict[str, Any]) -> Iterator[str]:
-    for node in _nodes(top):
+    for node in nodes(top):
         kind = node["Node Type"]
         index = str(node.get("Index Name", ""))
         on_bundle = (
