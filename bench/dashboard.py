@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckpt.service.db import make_engine, upgrade
+from service.db import make_engine, upgrade
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
 from tests.ui.plans import page_plans, shown

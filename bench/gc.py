@@ -41,10 +41,10 @@ from sqlalchemy import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ckpt.service.context import Context
-from ckpt.service.db import make_engine, upgrade
-from ckpt.service.gc.service import collect
-from ckpt.service.settings import Settings
+from service.context import Context
+from service.db import make_engine, upgrade
+from service.gc.service import collect
+from service.settings import Settings
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server
 from tests.ui.plans import Plan, recorded, shown

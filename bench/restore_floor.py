@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from save_restore import build  # the same state as the main benchmark
 
+from agent.catalog.manifests import latest_manifest
 from ckpt import Checkpointer
-from ckpt.agent.manifests import latest_manifest
 from ckpt.core.storage import keys, open_store
 from ckpt.core.threads import IO_THREADS
 

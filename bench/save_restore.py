@@ -48,9 +48,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agent.catalog.manifests import latest_manifest
+from agent.format.payload import tensor_bytes
 from ckpt import Checkpointer
-from ckpt.agent.format.payload import tensor_bytes
-from ckpt.agent.manifests import latest_manifest
 from ckpt.core.storage import ObjectStore, keys, open_store
 from ckpt.core.threads import IO_THREADS
 

@@ -2,23 +2,27 @@
 
     from ckpt import Checkpointer, PerSampleRNG, ResumableSampler
 
-The names below load on first use, so ``import ckpt`` costs nothing and loads no torch:
-the control plane (``ckpt.service``) and the ``ckpt`` command (``ckpt.cli``) share this
-package with the training agent (``ckpt.agent``).
+The names below load on first use from the in-job agent (the package ``agent``), so
+``import ckpt`` costs nothing and loads no torch. Beside them, this package holds what the
+agent and the control plane (``service``) share (``ckpt.core``), the ``ckpt`` command
+(``ckpt.cli``) and the framework integrations (``ckpt.integrations``).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckpt.agent.checkpointer import Checkpointer
-    from ckpt.agent.config import InFlight
-    from ckpt.agent.counters import Counters
-    from ckpt.agent.persist import PendingSave, SaveResult
-    from ckpt.agent.restore import ResumeResult
-    from ckpt.agent.sampling import PerSampleRNG, ResumableSampler
+    from agent.checkpointer import Checkpointer
+    from agent.config import InFlight
+    from agent.counters import Counters
+    from agent.data.sampling import PerSampleRNG, ResumableSampler
+    from agent.restore.resume import ResumeResult
+    from agent.save.persist import PendingSave, SaveResult
     from ckpt.core.contract import Layer
     from ckpt.core.errors import (
         BundleExistsError,
@@ -35,14 +39,14 @@ if TYPE_CHECKING:
     from ckpt.core.version import __version__
 
 _EXPORTS = {
-    "Checkpointer": "ckpt.agent.checkpointer",
-    "ResumeResult": "ckpt.agent.restore",
-    "SaveResult": "ckpt.agent.persist",
-    "PendingSave": "ckpt.agent.persist",
-    "InFlight": "ckpt.agent.config",
-    "Counters": "ckpt.agent.counters",
-    "PerSampleRNG": "ckpt.agent.sampling",
-    "ResumableSampler": "ckpt.agent.sampling",
+    "Checkpointer": "agent.checkpointer",
+    "ResumeResult": "agent.restore.resume",
+    "SaveResult": "agent.save.persist",
+    "PendingSave": "agent.save.persist",
+    "InFlight": "agent.config",
+    "Counters": "agent.counters",
+    "PerSampleRNG": "agent.data.sampling",
+    "ResumableSampler": "agent.data.sampling",
     "Layer": "ckpt.core.contract",
     "BundleExistsError": "ckpt.core.errors",
     "BundleFormatError": "ckpt.core.errors",
@@ -86,9 +90,26 @@ def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_load(module), name)
     globals()[name] = value  # later lookups skip this function
     return value
+
+
+def _load(module: str) -> ModuleType:
+    """``module``, or an ImportError naming the file that hides ckpt's own package of that
+    name (a training script's ``agent.py`` beside it, say)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        package = module.partition(".")[0]
+        where = getattr(sys.modules.get(package), "__file__", None)
+        ours = Path(__file__).resolve().parents[1]
+        if where is None or Path(where).resolve().parent in (ours, ours / package):
+            raise
+        raise ImportError(
+            f"ckpt cannot load {module}: {where} hides ckpt's package {package!r}; "
+            "rename that file or folder, or run from another directory"
+        ) from err
 
 
 def __dir__() -> list[str]:

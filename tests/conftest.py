@@ -19,7 +19,7 @@ def run_trainer(
     *args: str,
     expect_rc: int = 0,
     env: dict[str, str] | None = None,
-    module: str = "ckpt.agent.demo.train",
+    module: str = "agent.demo.train",
 ) -> dict[str, Any]:
     """Run a training job (the demo's, or ``module``) in a fresh process and load what it wrote."""
     command = [

@@ -1,4 +1,4 @@
-"""Run the many-rank demo job (``ckpt.agent.demo.ranks``) as real processes, one per rank,
+"""Run the many-rank demo job (``agent.demo.ranks``) as real processes, one per rank,
 the way torchrun would: each with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run_ranks(
             "MASTER_PORT": port,
             "OMP_NUM_THREADS": "1",
         }
-        command = [sys.executable, "-m", "ckpt.agent.demo.ranks", "--store", str(store)]
+        command = [sys.executable, "-m", "agent.demo.ranks", "--store", str(store)]
         processes.append(
             subprocess.Popen(
                 [*command, "--out", str(out), *args],

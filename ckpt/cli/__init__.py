@@ -73,11 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _passthrough(parser: argparse.ArgumentParser, command: str, rest: list[str]) -> int:
     if command == "launch":
-        from ckpt.agent.launch import main as launch
+        from agent.launch.supervisor import main as launch
 
         return launch(rest)
     try:
-        from ckpt.agent.demo.run import main as demo
+        from agent.demo.run import main as demo
     except ImportError as err:
         parser.exit(2, f"ckpt demo needs the training extra: pip install 'ckpt[agent]' ({err})\n")
     return demo(rest)

@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn, TypeAlias
 
 from ckpt.cli.text import paragraphs
-from ckpt.service.settings import Settings
+from service.settings import Settings
 
 if TYPE_CHECKING:
-    from ckpt.service.context import Context
+    from service.context import Context
 
 Handler = Callable[[argparse.Namespace], int]
 Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -70,8 +70,8 @@ def settings(**overrides: object) -> Settings:
 def open_context() -> Context:
     """The catalog and the store the settings name, the schema upgraded where that is the
     default (the embedded SQLite catalog)."""
-    from ckpt.service.context import Context
-    from ckpt.service.db import upgrade
+    from service.context import Context
+    from service.db import upgrade
 
     current = settings()
     if current.migrate_at_start:

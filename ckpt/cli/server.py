@@ -159,8 +159,8 @@ def _server(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from ckpt.service.app import create_app
-    from ckpt.service.health import steady_collector
+    from service.app import create_app
+    from service.health import steady_collector
 
     current = settings(host=args.host, port=args.port, workers=args.workers)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -179,7 +179,7 @@ def _server(args: argparse.Namespace) -> int:
     app.state.context.close()
     print(f"  workers: {current.workers} processes", flush=True)
     uvicorn.run(
-        "ckpt.service.app:from_environment",
+        "service.app:from_environment",
         factory=True,
         workers=current.workers,
         host=current.host,
@@ -201,7 +201,7 @@ def _worker(_: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from ckpt.service.periodic import work_until
+    from service.periodic import work_until
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     context = open_context()
@@ -217,7 +217,7 @@ def _worker(_: argparse.Namespace) -> int:
 
 
 def _migrate(args: argparse.Namespace) -> int:
-    from ckpt.service.db import upgrade
+    from service.db import upgrade
 
     current = settings()
     upgrade(current.database_url, args.revision)
@@ -226,7 +226,7 @@ def _migrate(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from ckpt.service.gc.service import collect
+    from service.gc.service import collect
 
     context = open_context()
     try:
@@ -240,8 +240,8 @@ def _gc(args: argparse.Namespace) -> int:
 def _scrub(_: argparse.Namespace) -> int:
     import sys
 
-    from ckpt.service.errors import StoreUnavailableError
-    from ckpt.service.scrub.service import scrub
+    from service.errors import StoreUnavailableError
+    from service.scrub.service import scrub
 
     context = open_context()
     try:
@@ -256,7 +256,7 @@ def _scrub(_: argparse.Namespace) -> int:
 
 
 def _catalog_rebuild(_: argparse.Namespace) -> int:
-    from ckpt.service.rebuild import rebuild
+    from service.rebuild import rebuild
 
     context = open_context()
     try:

@@ -22,7 +22,7 @@ from ckpt.cli.text import table
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
-    from ckpt.service.auth.schemas import TokenCreate, TokenOut
+    from service.auth.schemas import TokenCreate, TokenOut
 
 GROUP = f"""
     Manage the bearer tokens that the control plane accepts: create, list and revoke
@@ -84,7 +84,7 @@ def add_commands(commands: Commands) -> None:
 
 def token_id(text: str) -> int:
     """A token id from the command line: a catalog id (1 to 2**31 - 1)."""
-    from ckpt.service.names import MAX_ID
+    from service.names import MAX_ID
 
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_ID:
         raise argparse.ArgumentTypeError(
@@ -108,7 +108,7 @@ def duration(text: str) -> int:
 
 
 def _create(args: argparse.Namespace) -> int:
-    from ckpt.service.auth.service import create_token
+    from service.auth.service import create_token
 
     request = token_request(
         role=args.role, run=args.run, name=args.name, expires_in=args.expires_in
@@ -134,7 +134,7 @@ def token_request(
     """The request ``ckpt token create`` makes; a mistake exits 2 naming the option to fix."""
     from pydantic import ValidationError
 
-    from ckpt.service.auth.schemas import TokenCreate
+    from service.auth.schemas import TokenCreate
 
     command = "ckpt token create"
     if role == "run" and run is None:
@@ -162,7 +162,7 @@ def option_problem(err: ValidationError) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from ckpt.service.auth.service import list_tokens
+    from service.auth.service import list_tokens
 
     context = open_context()
     try:
@@ -214,8 +214,8 @@ def _when(moment: datetime | None) -> str:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    from ckpt.service.auth.service import revoke_token
-    from ckpt.service.errors import NotFoundError
+    from service.auth.service import revoke_token
+    from service.errors import NotFoundError
 
     context = open_context()
     try:

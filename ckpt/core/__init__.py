@@ -8,6 +8,6 @@
     tokens     where a client finds its bearer token
     version    the distribution's version
 
-Nothing here imports torch, FastAPI, SQLAlchemy, or another ``ckpt`` package: the agent
-(``ckpt.agent``) and the control plane (``ckpt.service``) import it, never each other.
+Nothing here imports torch, FastAPI, SQLAlchemy, or another package of ours: the agent
+(``agent``) and the control plane (``service``) import it, never each other.
 """

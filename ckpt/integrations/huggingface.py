@@ -29,9 +29,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import TrainOutput
 
-from ckpt.agent.checkpointer import Checkpointer
-from ckpt.agent.restore import ResumeResult
-from ckpt.agent.sampling import ResumableSampler, mix_seed
+from agent.checkpointer import Checkpointer
+from agent.data.sampling import ResumableSampler, mix_seed
+from agent.restore.resume import ResumeResult
 
 __all__ = ["CheckpointCallback", "CheckpointMixin", "CheckpointTrainer"]
 

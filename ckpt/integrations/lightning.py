@@ -79,11 +79,11 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ckpt.agent.checkpointer import Checkpointer
-from ckpt.agent.config import InFlight
-from ckpt.agent.objects import Generator
-from ckpt.agent.restore import ResumeResult
-from ckpt.agent.stateful import Stateful
+from agent.checkpointer import Checkpointer
+from agent.config import InFlight
+from agent.restore.resume import ResumeResult
+from agent.state.objects import Generator
+from agent.stateful import Stateful
 from ckpt.core.storage import ObjectStore
 
 __all__ = ["CheckpointCallback", "CheckpointerOptions"]
@@ -331,7 +331,7 @@ def _recreate_iterator(trainer: pl.Trainer, loader: DataLoader[Any], *, draws: b
     Creating a DataLoader iterator draws its workers' base seed from ``loader.generator``, or
     the global generator when that is None. Unless ``draws`` (the next epoch's iterator), that
     draw is undone: the restored generator already holds it. (A ``StatefulDataLoader``'s own
-    generator is part of its state, which its restore manages, as ``ckpt.agent.data`` does.)
+    generator is part of its state, which its restore manages, as ``agent.data.sources`` does.)
     """
     stateful = isinstance(loader, Stateful)
     if draws and stateful:

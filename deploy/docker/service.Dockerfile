@@ -1,6 +1,6 @@
 # The control plane: `ckpt server` (FastAPI, SQLAlchemy, Alembic; no torch).
 #   docker build -f deploy/docker/service.Dockerfile -t ckpt-service .
-# Configure it with CKPT_* variables (ckpt/service/settings.py); CKPT_DATABASE_URL and
+# Configure it with CKPT_* variables (service/settings.py); CKPT_DATABASE_URL and
 # CKPT_ADMIN_TOKEN come from a secret.
 FROM python:3.11-slim
 
@@ -14,7 +14,11 @@ RUN groupadd --system --gid 10001 ckpt \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The four packages of the distribution (pyproject.toml).
 COPY ckpt/ ckpt/
+COPY agent/ agent/
+COPY service/ service/
+COPY migrations/ migrations/
 RUN pip install '.[server]' && rm -rf /src
 
 WORKDIR /home/ckpt

@@ -20,11 +20,15 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# The four packages of the distribution (pyproject.toml).
 COPY ckpt/ ckpt/
+COPY agent/ agent/
+COPY service/ service/
+COPY migrations/ migrations/
 RUN pip install '.[agent,s3]' && rm -rf /src
 
 WORKDIR /home/ckpt
 USER 10001:10001
 
 # The demo job; CKPT_RUN and CKPT_STORE name the run and the store.
-CMD ["sh", "-c", "exec python -m ckpt.agent.demo.train --run \"$CKPT_RUN\" --store \"$CKPT_STORE\" --out /tmp/final.pt"]
+CMD ["sh", "-c", "exec python -m agent.demo.train --run \"$CKPT_RUN\" --store \"$CKPT_STORE\" --out /tmp/final.pt"]

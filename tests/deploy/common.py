@@ -8,15 +8,15 @@ import functools
 import re
 from pathlib import Path
 
-from ckpt.agent.config import ENV
-from ckpt.service.settings import Settings
+from agent.config import ENV
+from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-PORT = 8470  # ckpt.service.settings.DEFAULT_PORT
+PORT = 8470  # service.settings.DEFAULT_PORT
 UID = 10001  # the non-root user of both images (deploy/docker/*.Dockerfile)
 
 # A name the code reads appears in it as a string literal ("CKPT_POD"); names built from a
-# field (ckpt/service/settings.py: f"CKPT_{field.name.upper()}") come from the fields themselves.
+# field (service/settings.py: f"CKPT_{field.name.upper()}") come from the fields themselves.
 _LITERAL = re.compile(r"""["'](CKPT_[A-Z0-9_]*[A-Z0-9])["']""")
 
 # Read by the tests only, never by a deployment.
@@ -25,11 +25,12 @@ _TEST_ONLY = {"CKPT_TEST_PG", "CKPT_REQUIRE_POSTGRES", "CKPT_REQUIRE_KUBECTL"}
 
 @functools.cache
 def settings_read_by_the_code() -> frozenset[str]:
-    """Every ``CKPT_*`` variable that the package reads."""
+    """Every ``CKPT_*`` variable that the packages read."""
     names = {f"CKPT_{field.name.upper()}" for field in dataclasses.fields(Settings)}
     names |= set(ENV.values())
-    for path in (ROOT / "ckpt").rglob("*.py"):
-        names |= set(_LITERAL.findall(path.read_text()))
+    for package in ("ckpt", "agent", "service", "migrations"):
+        for path in (ROOT / package).rglob("*.py"):
+            names |= set(_LITERAL.findall(path.read_text()))
     return frozenset(names - _TEST_ONLY)
 
 

@@ -103,11 +103,11 @@ def bucket_created_by_minio_init() -> str:
 
 
 def test_the_trainer_command_is_one_the_demo_accepts() -> None:
-    from ckpt.agent.demo.train import parse_args
+    from agent.demo.train import parse_args
 
     env = SERVICES["trainer"]["environment"]
     argv = shell_words(SERVICES["trainer"]["command"], env)
-    assert argv[:4] == ["exec", "python", "-m", "ckpt.agent.demo.train"]
+    assert argv[:4] == ["exec", "python", "-m", "agent.demo.train"]
     args = parse_args(argv[4:])
     assert (args.run, args.store, args.every) == (env["CKPT_RUN"], env["CKPT_STORE"], 10)
 
@@ -151,13 +151,18 @@ def test_the_images_install_extras_that_exist_from_files_in_the_context() -> Non
         if line.startswith("!")
     }
     assert (ROOT / ".dockerignore").read_text().splitlines().count("*") == 1
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = {pattern.rstrip("*") for pattern in find["find"]["include"]}
     for name in ("service.Dockerfile", "trainer.Dockerfile"):
+        copied = set()
         for sources in re.findall(r"^COPY (.+) \S+$", (DOCKER / name).read_text(), re.M):
             for source in sources.split():
                 assert source.strip("/") in allowed, (
                     f"{name} copies {source}: .dockerignore drops it"
                 )
                 assert (ROOT / source).exists(), source
+                copied.add(source.strip("/"))
+        assert packages <= copied, f"{name} leaves out {sorted(packages - copied)}"
 
 
 # --- the same configuration, run directly --------------------------------------------------

@@ -18,7 +18,7 @@ import kubernetes_validate  # type: ignore[import-untyped, unused-ignore]
 import pytest
 import yaml  # type: ignore[import-untyped, unused-ignore]
 
-from ckpt.service.settings import DEFAULT_PORT
+from service.settings import DEFAULT_PORT
 from tests.deploy.common import PORT, ROOT, UID, unknown
 
 DEPLOY = ROOT / "deploy"
@@ -369,11 +369,11 @@ def test_the_trainer_is_wired_through_the_downward_api(directory: str) -> None:
 
 @pytest.mark.parametrize("directory", SINGLE_NODE)
 def test_the_trainer_command_is_one_the_demo_accepts(directory: str) -> None:
-    from ckpt.agent.demo.train import parse_args
+    from agent.demo.train import parse_args
 
     docs = render(directory)
     (trainer,) = pod_spec(one(docs, "Job"))["containers"]
-    assert trainer["command"] == ["python", "-m", "ckpt.agent.demo.train"]
+    assert trainer["command"] == ["python", "-m", "agent.demo.train"]
     expanded = {
         "$(CKPT_RUN)": "a-job",
         "$(CKPT_STORE)": config_map_data(docs, trainer)["CKPT_STORE"],
@@ -413,8 +413,8 @@ def torchrun_args(docs: list[Doc], trainer: Doc, *, index: str) -> tuple[Any, li
     it; and the words ckpt launch runs."""
     from torch.distributed.run import get_args_parser
 
-    from ckpt.agent.launch import parse_args
-    from ckpt.agent.torchrun import is_torchrun
+    from agent.launch.supervisor import parse_args
+    from agent.launch.torchrun import is_torchrun
 
     job = one(docs, "Job")
     values = {
@@ -505,12 +505,12 @@ def test_the_other_nodes_stopped_with_a_preempted_one_are_not_held_against_the_j
 
 
 def test_the_multinode_command_is_one_the_demo_accepts() -> None:
-    from ckpt.agent.demo.ranks import parse_args
+    from agent.demo.ranks import parse_args
 
     docs = render(MULTINODE)
     (trainer,) = pod_spec(one(docs, "Job"))["containers"]
     torchrun, _ = torchrun_args(docs, trainer, index="0")
-    assert torchrun.module and torchrun.training_script == "ckpt.agent.demo.ranks"
+    assert torchrun.module and torchrun.training_script == "agent.demo.ranks"
     args = parse_args(torchrun.training_script_args)
     assert args.store == config_map_data(docs, trainer)["CKPT_STORE"]
     # No --run: torchrun would take it for its own --run-path; the run is CKPT_RUN.

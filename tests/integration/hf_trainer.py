@@ -4,7 +4,7 @@ A tiny GPT-2 built from a config (dropout on, no download) learns random token s
 with AdamW, warmup + cosine and gradient accumulation 2 over 44 samples: 11 batches of 4,
 so each epoch ends on a step of one micro-batch. It records every micro-batch's loss and
 position, the Trainer's log, and which samples this process fetched, then writes them
-with the final state to ``--out`` in the form ``ckpt.agent.demo.compare.differences`` reads.
+with the final state to ``--out`` in the form ``agent.demo.compare.differences`` reads.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from transformers import (
     TrainingArguments,
 )
 
+from agent.checkpointer import Checkpointer
 from ckpt import Layer, PerSampleRNG, ResumeResult
-from ckpt.agent.checkpointer import Checkpointer
 from ckpt.integrations.huggingface import CheckpointCallback, CheckpointMixin
 
 NUM_SAMPLES, LENGTH, VOCAB = 44, 16, 64

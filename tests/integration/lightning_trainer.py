@@ -4,7 +4,7 @@
 Linear-ReLU-Dropout-Linear module built from ``CONFIG`` (no download) on a synthetic
 dataset, with AdamW, a per-step cosine schedule and gradient accumulation 2, for several
 epochs, validating every 4 batches; it resumes from the run's latest bundle in ``--store`` if there is one. At the end it
-writes what the tests compare (``ckpt.agent.demo.compare.differences``'s keys, plus the
+writes what the tests compare (``agent.demo.compare.differences``'s keys, plus the
 fit loop's counters and how many samples the process loaded).
 
 Drills: ``--kill-at STEP`` SIGKILLs the process once the bundle of STEP is durable (having

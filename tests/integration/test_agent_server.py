@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ckpt.agent.demo.compare import differences
+from agent.demo.compare import differences
 from tests.conftest import run_trainer
 from tests.server_process import ckpt_server
 from tests.service.conftest import create_pg_database, drop_pg_database

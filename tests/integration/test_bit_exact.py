@@ -1,6 +1,6 @@
 """Continuous run vs. a run killed after a save and resumed in a new process.
 
-The job (ckpt/agent/demo/train.py) has dropout, batch norm, AdamW, warmup + cosine, gradient
+The job (agent/demo/train.py) has dropout, batch norm, AdamW, warmup + cosine, gradient
 accumulation 4, a GradScaler and a shuffled DataLoader with 2 workers whose samples draw
 NumPy, Python and torch randomness.
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from agent.demo.compare import differences
 from ckpt import Layer
-from ckpt.agent.demo.compare import differences
 from tests.conftest import RunTrainer, run_trainer
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from agent.catalog.manifests import load_manifest
+from agent.demo.compare import differences
 from ckpt import Layer
-from ckpt.agent.demo.compare import differences
-from ckpt.agent.manifests import load_manifest
 from ckpt.core.storage import DirectoryStore, keys
 from tests.conftest import run_trainer
 from tests.server_process import ckpt_server

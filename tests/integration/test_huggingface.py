@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from ckpt.agent.demo.compare import differences
-from ckpt.agent.signals import EXIT_PREEMPTED
+from agent.attempt.signals import EXIT_PREEMPTED
+from agent.demo.compare import differences
 from tests.conftest import run_trainer
 from tests.integration.test_preemption import bundle_steps
 

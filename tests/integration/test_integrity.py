@@ -14,6 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+from agent.catalog.manifests import latest_manifest, write_manifest
+from agent.catalog.store import store_held
+from agent.format.skeleton import JSON
+from agent.save.upload import WriteStats, upload_layer
+from agent.state.capture import LayerState
 from ckpt import (
     BundleExistsError,
     BundleFormatError,
@@ -24,11 +29,6 @@ from ckpt import (
     StoreError,
     UnrepresentableStateError,
 )
-from ckpt.agent.capture import LayerState
-from ckpt.agent.catalog.store import store_held
-from ckpt.agent.format.skeleton import JSON
-from ckpt.agent.manifests import latest_manifest, write_manifest
-from ckpt.agent.upload import WriteStats, upload_layer
 from ckpt.core.contract import Layer, Manifest
 from ckpt.core.storage import DirectoryStore, keys
 

@@ -4,7 +4,7 @@ Most tests supervise a fake trainer (a small script in tmp_path) that follows a 
 step per attempt: an exit code, ``kill`` (SIGKILL itself), ``wait`` (record the signal it
 gets and exit 143) or ``deaf`` (ignore SIGTERM). The slow tests supervise the demo trainer,
 kill it, and check the restarted run ends bit-identical to an uninterrupted one; and
-torchrun, with small fake ranks and with the many-rank demo job (``ckpt.agent.demo.ranks``).
+torchrun, with small fake ranks and with the many-rank demo job (``agent.demo.ranks``).
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.agent.demo.compare import differences
-from ckpt.agent.launch import (
+from agent.demo.compare import differences
+from agent.launch.supervisor import (
     MAX_BACKOFF_SECONDS,
     Outcome,
     backoff_seconds,
     classify,
 )
-from ckpt.agent.torchrun import ending, is_torchrun
+from agent.launch.torchrun import ending, is_torchrun
 from ckpt.cli import main as ckpt
 from tests.conftest import run_trainer
 from tests.ranks_job import load_ranks
@@ -362,7 +362,7 @@ def test_the_demo_trainer_killed_under_launch_resumes_bit_exactly(tmp_path: Path
         *(
             sys.executable,
             "-m",
-            "ckpt.agent.demo.train",
+            "agent.demo.train",
             "--store",
             str(store),
             "--run",
@@ -394,7 +394,7 @@ def test_sigterm_to_the_supervisor_lets_the_trainer_save_and_exit_143(tmp_path: 
     supervisor = Supervisor(
         tmp_path / "launch.log",
         *("--max-restarts", "2", "--pid-file", str(pid_file), "--"),
-        *(sys.executable, "-m", "ckpt.agent.demo.train", "--store", str(store), "--run", "stopped"),
+        *(sys.executable, "-m", "agent.demo.train", "--store", str(store), "--run", "stopped"),
         *("--out", str(tmp_path / "out.pt"), "--steps", "400", "--every", "5", "--workers", "2"),
     )
     try:
@@ -440,7 +440,7 @@ def torchrun_failed(root_rank: int, root_code: str, other_code: str) -> str:
     return f"""\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 =======================================================
-ckpt.agent.demo.ranks FAILED
+agent.demo.ranks FAILED
 -------------------------------------------------------
 Failures:
 [1]:
@@ -572,7 +572,7 @@ def test_killing_torchrun_kills_its_ranks_too(tmp_path: Path, supervisors: Start
     assert [pid for pid in pids if alive(pid)] == []
 
 
-RANKS_JOB = ("-m", "ckpt.agent.demo.ranks", "--parallel", "ddp", "--steps", "12", "--every", "2")
+RANKS_JOB = ("-m", "agent.demo.ranks", "--parallel", "ddp", "--steps", "12", "--every", "2")
 
 
 def torchrun_ranks(store: Path, out: Path, *extra: str) -> list[str]:

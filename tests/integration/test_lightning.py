@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.agent.demo.compare import differences
-from ckpt.agent.signals import EXIT_PREEMPTED
+from agent.attempt.signals import EXIT_PREEMPTED
+from agent.demo.compare import differences
 from tests.conftest import run_trainer
 
 pytestmark = pytest.mark.slow

@@ -203,7 +203,7 @@ def test_release_staging_frees_the_buffers_and_the_next_save_works(tmp_path: Pat
 
 
 def test_configuration_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckpt.agent.config import Config
+    from agent.config import Config
 
     monkeypatch.setenv("CKPT_OVERLAP", "0")
     monkeypatch.setenv("CKPT_STAGING_BYTES", "1048576")

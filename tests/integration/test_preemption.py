@@ -1,7 +1,7 @@
 """SIGTERM and SIGKILL at chosen moments of a real training process, then a resume that
 must be bit-exact with a run that was never interrupted.
 
-The demo job (ckpt/agent/demo/train.py) signals itself at a known position (``--signal-at``),
+The demo job (agent/demo/train.py) signals itself at a known position (``--signal-at``),
 stalls in a long step (``--pause-at``), uploads slowly (``--slow-store``) or is killed in
 the middle of an upload (``--kill-during-upload``).
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from ckpt.agent.demo.compare import differences
-from ckpt.agent.signals import EXIT_PREEMPTED
+from agent.attempt.signals import EXIT_PREEMPTED
+from agent.demo.compare import differences
 from ckpt.core.storage import keys
 from tests.conftest import run_trainer
 from tests.server_process import ckpt_server
@@ -52,7 +52,7 @@ def drill(store: Path, out: Path, *args: str, env: dict[str, str] | None = None)
     command = [
         sys.executable,
         "-m",
-        "ckpt.agent.demo.train",
+        "agent.demo.train",
         "--store",
         str(store),
         "--out",

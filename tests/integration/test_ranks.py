@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.agent.demo.compare import differences
+from agent.demo.compare import differences
 from ckpt.core.contract import Manifest
 from ckpt.core.storage import DirectoryStore, keys
 from tests.ranks_job import load_ranks, run_ranks

@@ -45,11 +45,11 @@ import torch
 from sqlalchemy import Engine, create_engine, func, select, text
 from sqlalchemy.orm import Session
 
-from ckpt.agent.demo.compare import differences
+from agent.demo.compare import differences
 from ckpt.core import contract
 from ckpt.core.storage import open_store
 from ckpt.core.verify import verify
-from ckpt.service.models import Bundle, BundleStatus, Layer, MaintenancePass, Run
+from service.models import Bundle, BundleStatus, Layer, MaintenancePass, Run
 from tests.conftest import run_trainer
 from tests.server_process import TOKEN, free_port, serving
 from tests.service.conftest import create_pg_database, drop_pg_database
@@ -188,7 +188,7 @@ class Campaign:
         lane.segments.append(segment)
         kill = ("--kill-at", kill_at) if kill_at else ()
         command = [
-            *(sys.executable, "-m", "ckpt.agent.demo.train", "--store", self.store),
+            *(sys.executable, "-m", "agent.demo.train", "--store", self.store),
             *("--run", lane.run, "--out", str(segment.out), "--steps", str(steps)),
             *TOTAL_STEPS,
             *TRAINER_ARGS,

@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+from agent.catalog.manifests import load_manifest
 from ckpt import Checkpointer, Layer, StoreError
-from ckpt.agent.manifests import load_manifest
 from ckpt.core.contract import Manifest
 from ckpt.core.storage import keys
 from ckpt.core.storage.s3 import S3ObjectStore

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ckpt.agent.demo.compare import differences
+from agent.demo.compare import differences
 from ckpt.core.contract import Manifest
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import keys, open_store

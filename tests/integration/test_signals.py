@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from agent.attempt.signals import SignalWatch
 from ckpt import Checkpointer
-from ckpt.agent.signals import SignalWatch
 from ckpt.core.storage import DirectoryStore
 
 

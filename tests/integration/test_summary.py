@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt.agent.policy import Position
-from ckpt.agent.preemption import describe
+from agent.attempt.grace import describe
+from agent.save.policy import Position
 
 SCRIPT = textwrap.dedent(
     """

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     """
     import os, threading, time
     import torch.distributed as dist
-    from ckpt.agent.ranks import job_ranks
+    from agent.ranks.base import job_ranks
     from ckpt.core.errors import RankError
 
     dist.init_process_group("gloo")
@@ -86,7 +86,7 @@ def test_the_meetings_of_two_ranks() -> None:
 
 def test_many_ranks_named_by_the_environment_need_a_process_group() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "from ckpt.agent.ranks import job_ranks; job_ranks(timeout=1)"],
+        [sys.executable, "-c", "from agent.ranks.base import job_ranks; job_ranks(timeout=1)"],
         env={**os.environ, "WORLD_SIZE": "4"},
         capture_output=True,
         text=True,

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
+from agent.config import InFlight
 from ckpt import Checkpointer, PendingSave, StoreError
-from ckpt.agent.config import InFlight
 from ckpt.core.contract import Layer, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
 

@@ -21,10 +21,10 @@ import pytest
 import uvicorn
 
 from ckpt.core.storage import DirectoryStore
-from ckpt.service.app import create_app
-from ckpt.service.context import Context
-from ckpt.service.db import upgrade
-from ckpt.service.settings import Settings
+from service.app import create_app
+from service.context import Context
+from service.db import upgrade
+from service.settings import Settings
 from tests.databases import create_database, drop_database
 
 PG_ADMIN = os.environ.get("CKPT_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")

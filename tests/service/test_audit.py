@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
-from ckpt.service.gc.service import collect
-from ckpt.service.models import utcnow
+from service.gc.service import collect
+from service.models import utcnow
 from tests.service.conftest import Server
 from tests.service.helpers import make_layer, open_bundle, record, register, save
 

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import select
 
 from ckpt.core.contract import RESTORE_ORDER
-from ckpt.service.models import Base, Token
+from service.models import Base, Token
 from tests.service.conftest import Server
 from tests.service.helpers import make_layer, open_bundle, record, register, save
 

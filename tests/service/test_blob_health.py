@@ -19,9 +19,9 @@ from torch import nn
 from ckpt import Checkpointer, StoreError
 from ckpt.core.contract import RESTORE_ORDER, Layer, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
-from ckpt.service.bundles import damage
-from ckpt.service.completeness import BlobProblem
-from ckpt.service.models import Blob, utcnow
+from service.bundles import damage
+from service.completeness import BlobProblem
+from service.models import Blob, utcnow
 from tests.service.conftest import Server
 from tests.service.helpers import commit, make_layer, open_bundle, record, register
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from ckpt.core.contract import MAX_STEP, Manifest, TensorEntry
-from ckpt.service.logsafe import escape, protect
+from service.logsafe import escape, protect
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import VERSIONS, commit, make_layer, open_bundle, register, save
 

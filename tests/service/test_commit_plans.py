@@ -5,7 +5,7 @@ PostgreSQL's default price of a random page (4, a spinning disk's) made the lock
 update of a commit's 1,000 blob rows scan the whole blob table until it held 100,000-150,000
 rows: 13 ms each at 60,000 rows and growing with every commit, against 5 ms through the
 index.
-The control plane's connections price a random page at 1.1 (``ckpt.service.db``).
+The control plane's connections price a random page at 1.1 (``service.db``).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import hashlib
 
 from sqlalchemy.orm import Session
 
-from ckpt.service.bundles import repository
-from ckpt.service.db import make_engine
-from ckpt.service.models import utcnow
+from service.bundles import repository
+from service.db import make_engine
+from service.models import utcnow
 from tests.service.conftest import Catalogs
 from tests.ui.plans import Plan, explain, nodes, recorded, shown
 

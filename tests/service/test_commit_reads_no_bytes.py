@@ -20,10 +20,10 @@ import pytest
 from ckpt.core.contract import RESTORE_ORDER
 from ckpt.core.storage import DirectoryStore, StoredObject, keys
 from ckpt.core.storage.s3 import whole_object_sha256
-from ckpt.service.bundles.blobs import stored_blobs
-from ckpt.service.metrics import Metrics
-from ckpt.service.models import Blob
-from ckpt.service.scrub.service import scrub
+from service.bundles.blobs import stored_blobs
+from service.metrics import Metrics
+from service.models import Blob
+from service.scrub.service import scrub
 from tests.service.conftest import Server
 from tests.service.helpers import (
     commit,

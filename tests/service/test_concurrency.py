@@ -26,7 +26,7 @@ from sqlalchemy import create_engine, func, select
 
 from ckpt.core.contract import RESTORE_ORDER
 from ckpt.core.storage import DirectoryStore
-from ckpt.service.models import Layer, LayerBlob
+from service.models import Layer, LayerBlob
 from tests.service.conftest import create_pg_database
 from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
 

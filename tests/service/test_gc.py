@@ -21,12 +21,12 @@ from sqlalchemy import event, select, text
 
 from ckpt.core.contract import RESTORE_ORDER, LayerRecord, Manifest
 from ckpt.core.storage import DirectoryStore, keys
-from ckpt.service.bundles import service as bundles_service
-from ckpt.service.bundles.blobs import stored_sizes
-from ckpt.service.gc import repository as gc_repository
-from ckpt.service.gc import service as gc_service
-from ckpt.service.gc.service import GcReport, collect
-from ckpt.service.models import Blob, Layer, LayerBlob, Run, utcnow
+from service.bundles import service as bundles_service
+from service.bundles.blobs import stored_sizes
+from service.gc import repository as gc_repository
+from service.gc import service as gc_service
+from service.gc.service import GcReport, collect
+from service.models import Blob, Layer, LayerBlob, Run, utcnow
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import (
     commit,

@@ -1,6 +1,6 @@
 """Attempts whose heartbeats lapse are marked lost; each ending's steps lost are counted.
 
-The rule of steps lost is a pure function (``ckpt.service.lineage.steps_lost``), tested over
+The rule of steps lost is a pure function (``service.lineage.steps_lost``), tested over
 every case first; then the catalog over the API on both databases, with ``mark_lost``
 called directly at a chosen ``now`` so nothing sleeps; then the server's periodic task,
 and the migration that lets the catalog say "lost".
@@ -21,12 +21,12 @@ from alembic import command
 from sqlalchemy import Engine, text, update
 from sqlalchemy.exc import IntegrityError
 
-from ckpt.service.db import alembic_config, make_engine, upgrade
-from ckpt.service.lineage import AttemptNode, steps_lost, steps_lost_by_attempt
-from ckpt.service.models import Attempt, AttemptRank, EndReason, utcnow
-from ckpt.service.runs.attempts import mark_lost
-from ckpt.service.runs.schemas import ReportedEnd
-from ckpt.service.settings import Settings
+from service.db import alembic_config, make_engine, upgrade
+from service.lineage import AttemptNode, steps_lost, steps_lost_by_attempt
+from service.models import Attempt, AttemptRank, EndReason, utcnow
+from service.runs.attempts import mark_lost
+from service.runs.schemas import ReportedEnd
+from service.settings import Settings
 from tests.service.conftest import MakeServer, Server, create_pg_database, drop_pg_database
 from tests.service.helpers import register, save
 

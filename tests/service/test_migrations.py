@@ -1,4 +1,4 @@
-"""The Alembic migrations and ``ckpt.service.models`` agree, on PostgreSQL and on SQLite, and the
+"""The Alembic migrations and ``service.models`` agree, on PostgreSQL and on SQLite, and the
 migrations go down and up again cleanly."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Column, Engine, Integer, MetaData, String, inspect, select, text
 from sqlalchemy.orm import Session
 
-from ckpt.service.db import alembic_config, make_engine, schema_revision, upgrade
-from ckpt.service.models import Base
-from ckpt.service.runs.repository import refresh_activity
+from service.db import alembic_config, make_engine, schema_revision, upgrade
+from service.models import Base
+from service.runs.repository import refresh_activity
 from tests.service.conftest import create_pg_database, drop_pg_database
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

@@ -19,7 +19,7 @@ import jsonschema_rs
 import pytest
 
 from ckpt.core.contract import Layer
-from ckpt.service.app import STATIC
+from service.app import STATIC
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
 
@@ -284,7 +284,7 @@ def test_swagger_ui_ships_with_the_package() -> None:
     """Every vendored file is package data (a wheel without them serves a blank /docs), and
     the license comes with the code."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["ckpt.service"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["service"]
     package = STATIC.parent
     shipped = {path for pattern in patterns for path in package.glob(pattern) if path.is_file()}
     vendored = {path for path in STATIC.rglob("*") if path.is_file()}

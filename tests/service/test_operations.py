@@ -14,8 +14,8 @@ import httpx
 import pytest
 from sqlalchemy import delete, update
 
-from ckpt.service.models import Attempt as AttemptRow
-from ckpt.service.models import Blob, Bundle, Layer, LayerBlob, Rollback, Run, Token
+from service.models import Attempt as AttemptRow
+from service.models import Blob, Bundle, Layer, LayerBlob, Rollback, Run, Token
 from tests.service.conftest import MakeServer, Server, create_pg_database, serve
 from tests.service.helpers import open_bundle, register, save
 
@@ -61,8 +61,8 @@ def test_probes_and_metrics(server: Server, run_name: str) -> None:
 def test_readyz_reports_a_schema_behind_the_migrations(
     backend: str, make_server: MakeServer, tmp_path: Path
 ) -> None:
-    from ckpt.service.app import create_app
-    from ckpt.service.settings import Settings
+    from service.app import create_app
+    from service.settings import Settings
 
     url = create_pg_database() if backend == "postgres" else f"sqlite:///{tmp_path / 'c.db'}"
     settings = Settings(

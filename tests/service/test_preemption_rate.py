@@ -10,7 +10,7 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from ckpt.service.models import Attempt, utcnow
+from service.models import Attempt, utcnow
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import register
 

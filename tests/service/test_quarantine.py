@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 
 from ckpt.core.storage import keys
-from ckpt.service.gc.service import collect
+from service.gc.service import collect
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import open_bundle, register, save
 

@@ -13,12 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from ckpt.service.auth.schemas import TokenCreate
-from ckpt.service.auth.service import create_token
-from ckpt.service.errors import RateLimitedError, TooManyInFlightError
-from ckpt.service.limits import Head, TokenLimits
-from ckpt.service.models import Role
-from ckpt.service.runs import service as runs_service
+from service.auth.schemas import TokenCreate
+from service.auth.service import create_token
+from service.errors import RateLimitedError, TooManyInFlightError
+from service.limits import Head, TokenLimits
+from service.models import Role
+from service.runs import service as runs_service
 from tests.service.conftest import MakeServer, Server
 
 WORKER_THREADS = 40  # anyio's default: what FastAPI runs sync routes and dependencies on

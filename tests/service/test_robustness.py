@@ -12,12 +12,12 @@ import pytest
 
 from ckpt.core.contract import RESTORE_ORDER, BlobRef, LayerRecord, TensorEntry
 from ckpt.core.storage import keys
-from ckpt.service.context import Context
-from ckpt.service.db import upgrade
-from ckpt.service.gc import service as gc
-from ckpt.service.models import Blob
-from ckpt.service.rebuild import rebuild
-from ckpt.service.settings import Settings
+from service.context import Context
+from service.db import upgrade
+from service.gc import service as gc
+from service.models import Blob
+from service.rebuild import rebuild
+from service.settings import Settings
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import (
     commit,

@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 from sqlalchemy import func, select
 
-from ckpt.service import lineage
-from ckpt.service.models import Attempt, Bundle, Run, RunActivity, utcnow
-from ckpt.service.runs.attempts import mark_lost
-from ckpt.service.runs.repository import attempt_nodes
+from service import lineage
+from service.models import Attempt, Bundle, Run, RunActivity, utcnow
+from service.runs.attempts import mark_lost
+from service.runs.repository import attempt_nodes
 from tests.service.conftest import Server
 from tests.service.helpers import register, save, statements
 

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import delete, func, select
 
-from ckpt.service.models import Bundle, Save
+from service.models import Bundle, Save
 from tests.service.conftest import Server
 from tests.service.helpers import register, save
 

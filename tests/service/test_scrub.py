@@ -24,15 +24,15 @@ from torch import nn
 from ckpt import Checkpointer
 from ckpt.core.contract import Layer, Manifest
 from ckpt.core.storage import DirectoryStore, keys
-from ckpt.service.app import create_app
-from ckpt.service.context import Context
-from ckpt.service.db import upgrade
-from ckpt.service.gc.service import collect
-from ckpt.service.maintenance import repository as passes
-from ckpt.service.maintenance.service import Task, exclusive
-from ckpt.service.models import MaintenancePass
-from ckpt.service.scrub.service import scrub
-from ckpt.service.settings import Settings
+from service.app import create_app
+from service.context import Context
+from service.db import upgrade
+from service.gc.service import collect
+from service.maintenance import repository as passes
+from service.maintenance.service import Task, exclusive
+from service.models import MaintenancePass
+from service.scrub.service import scrub
+from service.settings import Settings
 from tests.service.conftest import ADMIN_TOKEN, MakeServer, Server, create_pg_database, serve
 from tests.service.helpers import register, save
 

@@ -1,12 +1,12 @@
-"""The SQL idioms of ckpt/service/sql.py, on PostgreSQL and SQLite."""
+"""The SQL idioms of service/sql.py, on PostgreSQL and SQLite."""
 
 from __future__ import annotations
 
 import pytest
 from sqlalchemy import select
 
-from ckpt.service.models import Run, utcnow
-from ckpt.service.sql import ids_in
+from service.models import Run, utcnow
+from service.sql import ids_in
 from tests.service.conftest import MakeServer
 
 

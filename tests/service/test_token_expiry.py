@@ -12,9 +12,9 @@ import httpx
 import pytest
 from sqlalchemy import update
 
-from ckpt.service.app import create_app
-from ckpt.service.models import Token
-from ckpt.service.settings import Settings
+from service.app import create_app
+from service.models import Token
+from service.settings import Settings
 from tests.service.conftest import MakeServer, Server, serve
 from tests.service.test_operations import ckpt, server_env
 

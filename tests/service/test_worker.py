@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import select
 
 from ckpt.core.storage import DirectoryStore
-from ckpt.service.models import MaintenancePass
-from ckpt.service.settings import Settings
+from service.models import MaintenancePass
+from service.settings import Settings
 from tests.server_process import ckpt_server
 from tests.service.conftest import ADMIN_TOKEN, MakeServer, create_pg_database
 from tests.service.helpers import open_bundle, register, save

@@ -24,9 +24,9 @@ import httpx
 import psycopg
 from sqlalchemy import Engine, event
 
-from ckpt.service.app import create_app
-from ckpt.service.context import Context
-from ckpt.service.settings import Settings
+from service.app import create_app
+from service.context import Context
+from service.settings import Settings
 from tests.service.conftest import serve
 from tests.ui.signin import signed_in_client
 

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Table, insert, text
 
 from ckpt.core.contract import MANIFEST_FORMAT
-from ckpt.service import lineage, models
+from service import lineage, models
 
 STATES = ("training", "preempted", "lost", "finished", "failed")
 VERSIONS = {"ckpt": "0.1.0", "python": "3.11", "torch": "2.13.0"}

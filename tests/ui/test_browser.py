@@ -26,9 +26,9 @@ import httpx
 import pytest
 from sqlalchemy import create_engine
 
-from ckpt.agent.signals import EXIT_PREEMPTED
+from agent.attempt.signals import EXIT_PREEMPTED
 from ckpt.core.storage import DirectoryStore
-from ckpt.service.db import upgrade
+from service.db import upgrade
 from tests.conftest import run_trainer
 from tests.server_process import ServerProcess, ckpt_server
 from tests.service.helpers import register, save

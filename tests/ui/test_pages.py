@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from ckpt.core.contract import Layer
-from ckpt.service import completeness
-from ckpt.service.models import Attempt, Bundle, Run, utcnow
-from ckpt.service.runs.repository import refresh_activity
-from ckpt.service.scrub.service import scrub
-from ckpt.service.ui import window
-from ckpt.service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage
-from ckpt.service.ui.pages import missing_words
+from service import completeness
+from service.models import Attempt, Bundle, Run, utcnow
+from service.runs.repository import refresh_activity
+from service.scrub.service import scrub
+from service.ui import window
+from service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage
+from service.ui.pages import missing_words
 from tests.service.conftest import (  # noqa: F401 (fixtures server needs)
     MakeServer,
     Server,

@@ -14,9 +14,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ckpt.service.db import make_engine, upgrade
-from ckpt.service.models import RunActivity
-from ckpt.service.runs.repository import refresh_activity
+from service.db import make_engine, upgrade
+from service.models import RunActivity
+from service.runs.repository import refresh_activity
 from tests.service.conftest import create_pg_database, drop_pg_database
 from tests.ui.plans import page_plans
 from tests.ui.seed import Shape, seed

@@ -27,9 +27,9 @@ import pytest
 from sqlalchemy.orm import Session
 
 from ckpt.core.storage import DirectoryStore
-from ckpt.service.db import make_engine
-from ckpt.service.models import Attempt, Run
-from ckpt.service.runs.repository import refresh_activity
+from service.db import make_engine
+from service.models import Attempt, Run
+from service.runs.repository import refresh_activity
 from tests.server_process import ServerProcess, ckpt_server
 from tests.service.helpers import register, save
 from tests.ui.conftest import CSP, OpenPage, Watch, poll, sign_in

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.agent.format import payload
-from ckpt.agent.format.chunking import plan_blobs
+from agent.format import payload
+from agent.format.chunking import plan_blobs
 
 
 def spans_of(header: int, sizes: list[int]) -> list[tuple[int, int]]:

@@ -16,8 +16,8 @@ import pytest
 from ckpt.cli import build_parser, main
 from ckpt.cli.text import paragraphs
 from ckpt.cli.tokens import duration, format_tokens
-from ckpt.service.auth.schemas import TokenOut
-from ckpt.service.models import Role
+from service.auth.schemas import TokenOut
+from service.models import Role
 
 
 def command_paths(

@@ -13,7 +13,7 @@ from typing import ClassVar
 import httpx
 import pytest
 
-from ckpt.agent.client import ControlPlane, IntactBlobError
+from agent.catalog.client import ControlPlane, IntactBlobError
 from ckpt.core.errors import ControlPlaneError
 
 WINDOW = 2.0

@@ -1,4 +1,4 @@
-"""What a bundle lacks before it may become complete: ``ckpt.service.completeness``."""
+"""What a bundle lacks before it may become complete: ``service.completeness``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt.core.contract import RESTORE_ORDER, BlobRef, Layer, LayerRecord, TensorEntry
-from ckpt.service.completeness import (
+from service.completeness import (
     BadBlob,
     BlobProblem,
     Missing,

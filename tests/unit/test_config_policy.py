@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from ckpt.agent.config import DEFAULT_STORE, Config
-from ckpt.agent.counters import Counters
-from ckpt.agent.format.chunking import DEFAULT_BLOB_BYTES
-from ckpt.agent.policy import Position, SavePolicy
+from agent.config import DEFAULT_STORE, Config
+from agent.counters import Counters
+from agent.format.chunking import DEFAULT_BLOB_BYTES
+from agent.save.policy import Position, SavePolicy
 from ckpt.core.contract import MANIFEST_FORMAT, Layer, Manifest, RankRecord, Versions, missing_parts
 from ckpt.core.errors import UnrepresentableStateError
 

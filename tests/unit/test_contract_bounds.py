@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from ckpt.agent.format import payload
-from ckpt.agent.format.dtypes import DTYPES
-from ckpt.agent.manifests import versions
+from agent.catalog.manifests import versions
+from agent.format import payload
+from agent.format.dtypes import DTYPES
 from ckpt.core.contract import DTYPE_CODES, TensorEntry, Versions
 
 

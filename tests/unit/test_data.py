@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
-from ckpt.agent.sampling import PerSampleRNG, ResumableSampler, SampleIndex, mix_seed
+from agent.data.sampling import PerSampleRNG, ResumableSampler, SampleIndex, mix_seed
 
 Draw = tuple[int, float, float, float]
 

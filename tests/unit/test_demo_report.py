@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt.agent.demo.report import (
+from agent.demo.report import (
     ckpt_command,
     format_attempt,
     format_drill,
@@ -139,7 +139,7 @@ def test_format_drill_says_what_happened() -> None:
 
 
 def rank_state(value: float) -> dict[str, Any]:
-    """A final state as ``ckpt.agent.demo.ranks`` writes it, per rank."""
+    """A final state as ``agent.demo.ranks`` writes it, per rank."""
     return {
         "model": {"w": torch.full((2,), value)},
         "optimizer": {},

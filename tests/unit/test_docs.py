@@ -295,8 +295,8 @@ URL = re.compile(r"https?://127\.0\.0\.1:8470(/[\w/{}.-]*)")
 @pytest.fixture(scope="module")
 def routes(tmp_path_factory: pytest.TempPathFactory) -> set[tuple[str, str]]:
     """Every (method, path template) the control plane serves, parameters as ``{}``."""
-    from ckpt.service.app import create_app
-    from ckpt.service.settings import Settings
+    from service.app import create_app
+    from service.settings import Settings
 
     tmp = tmp_path_factory.mktemp("service")
     settings = Settings(
@@ -365,7 +365,7 @@ def test_every_variable_the_code_reads_is_documented() -> None:
 
 
 def test_every_keyword_sits_beside_its_variable() -> None:
-    from ckpt.agent.config import ENV, Config
+    from agent.config import ENV, Config
 
     rows = pages()["configuration.md"].splitlines()
     assert set(ENV) == {field.name for field in dataclasses.fields(Config)}
@@ -381,7 +381,7 @@ NOT_METRICS = {"ckpt_session", "ckpt_csrf"}
 
 
 def test_every_metric_named_exists_and_every_one_is_documented() -> None:
-    from ckpt.service.metrics import Metrics
+    from service.metrics import Metrics
 
     served = {family.name for family in Metrics().registry.collect()}
     table = [row for row in pages()["control-plane.md"].splitlines() if row.startswith("| `ckpt_")]

@@ -1,5 +1,5 @@
 """Goodput: the parts of an attempt's time and their sum over a run (``ckpt.core.goodput``),
-and the agent's account of them (``ckpt.agent.goodput``) on a clock the test moves."""
+and the agent's account of them (``agent.attempt.goodput``) on a clock the test moves."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ckpt.agent.goodput import TimeAccount, process_started_at
+from agent.attempt.goodput import TimeAccount, process_started_at
 from ckpt.core.goodput import TimeSpent, redo_seconds
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from ckpt.agent.interval import REFRESH_SECONDS, AutoInterval
+from agent.attempt.interval import REFRESH_SECONDS, AutoInterval
 from ckpt.core.errors import ControlPlaneError
 from ckpt.core.interval import History, bounded, waste_per_hour, young_daly
 

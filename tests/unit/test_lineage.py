@@ -1,4 +1,4 @@
-"""The run's tree of bundles: ``ckpt.service.lineage``."""
+"""The run's tree of bundles: ``service.lineage``."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from ckpt.service.lineage import Node, ancestry, children, forks, head_after_commit, resumable
-from ckpt.service.models import BundleStatus
+from service.lineage import Node, ancestry, children, forks, head_after_commit, resumable
+from service.models import BundleStatus
 
 COMPLETE = BundleStatus.COMPLETE
 PENDING = BundleStatus.PENDING

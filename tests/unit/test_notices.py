@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 
-from ckpt.agent.config import Config
-from ckpt.agent.notices import Aws, Azure, Gcp, Notice, NoticeWatch
+from agent.attempt.notices import Aws, Azure, Gcp, Notice, NoticeWatch
+from agent.config import Config
 from tests.metadata_server import AZURE_FREEZE, metadata_server
 
 CASES = [

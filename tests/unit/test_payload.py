@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from ckpt.agent.format import payload, skeleton
-from ckpt.agent.format.payload import SKELETON_KEY, Header, PayloadLayout
-from ckpt.agent.format.skeleton import JSON
+from agent.format import payload, skeleton
+from agent.format.payload import SKELETON_KEY, Header, PayloadLayout
+from agent.format.skeleton import JSON
 from ckpt.core.contract import TensorEntry
 from ckpt.core.errors import BundleFormatError, UnrepresentableStateError
 

@@ -1,4 +1,4 @@
-"""Which complete bundles retention deletes: ``ckpt.service.retention.to_delete``."""
+"""Which complete bundles retention deletes: ``service.retention.to_delete``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.service.retention import Kept, to_delete
+from service.retention import Kept, to_delete
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

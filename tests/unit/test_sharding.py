@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.agent.format.sharding import Block, assemble
+from agent.format.sharding import Block, assemble
 
 
 def row_blocks(tensor: torch.Tensor, parts: int) -> list[Block]:

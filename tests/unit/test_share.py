@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ckpt.agent.upload import Share, blobs_alike
+from agent.save.upload import Share, blobs_alike
 
 
 def test_blobs_alike_compares_position_by_position() -> None:

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.agent.format import skeleton
-from ckpt.agent.format.skeleton import JSON
+from agent.format import skeleton
+from agent.format.skeleton import JSON
 from ckpt.core.errors import BundleFormatError, UnrepresentableStateError
 
 

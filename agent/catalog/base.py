@@ -1,0 +1,85 @@
+"""The ``Catalog`` protocol: what restore and persist need from wherever bundles are kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from agent.attempt.notices import Notice
+from agent.save.upload import HeldBlobs
+from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
+
+# Hash and store every layer's blobs, asking ``HeldBlobs`` which the store already holds.
+Upload = Callable[[HeldBlobs], dict[Layer, LayerRecord]]
+
+
+class Catalog(Protocol):
+    """Finds the bundle to resume from and commits new ones, for one process of a run."""
+
+    def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
+        """The newest resumable bundle of ``run`` (``own``: the checkpointer's run, which
+        this process is about to continue), or None; with ``step`` (another run only), its
+        resumable bundle at that step, or None."""
+        ...
+
+    def fall_back(
+        self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
+    ) -> Manifest | None:
+        """Set ``manifest`` aside (its ``blob`` failed verification) and return the bundle
+        before it."""
+        ...
+
+    def verified(self, blobs: Iterable[str]) -> None:
+        """These blobs were read back from the store and matched their SHA-256."""
+        ...
+
+    def check_step(self, step: int) -> None:
+        """Raise ``BundleExistsError`` when a save at ``step`` would replace a bundle this
+        process neither resumed from nor wrote."""
+        ...
+
+    def own_step(self, step: int) -> None:
+        """This process resumed from, or is writing, the bundle at ``step``."""
+        ...
+
+    def commit(self, upload: Upload, *, step: int) -> Manifest:
+        """Upload through ``upload``, record every layer and commit: the bundle's manifest."""
+        ...
+
+    def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
+        """Keep what one rank's save cost."""
+        ...
+
+    def end(
+        self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
+    ) -> None:
+        """Record how this attempt ended (once; later calls do nothing)."""
+        ...
+
+    def notice(self, notice: Notice, *, step: int) -> None:
+        """Record on this attempt a cloud's notice of a coming preemption."""
+        ...
+
+    def preemption_rate(self) -> float | None:
+        """The mean time between preemptions the catalog estimates for this run; None when
+        it keeps no attempts.
+
+        Raises:
+            CkptError: it could not be asked.
+        """
+        ...
+
+    def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
+        """Keep the save interval ``every="auto"`` chose, and what it expects to lose."""
+        ...
+
+    def account(self, figures: Callable[[], dict[str, float | int] | None]) -> None:
+        """Report ``figures()`` (where the attempt's time went) with the attempt's reports."""
+        ...
+
+    def unreachable(self) -> bool:
+        """Whether the catalog cannot be reached now (a control plane that is down): a save
+        in flight is then retrying, and training should not wait for it."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,517 @@
+"""The Checkpointer: the training loop's one handle on ckpt.
+
+A façade over the phases, each in a module of its own:
+
+    capture       the six layers out of the objects and into the staging buffers (the stall)
+    persist       hash, upload, record, commit, in the background; ``PendingSave``
+    restore       find the resumable bundle, read and verify it, fall back
+    catalog       where bundles are kept: the store alone or the control plane
+    attempt       register, heartbeat and end this process's attempt (control plane)
+    preemption    what happens between a stop signal and the exit (``signals`` catches it)
+    epochs        the walk through the data from the restored position
+    ranks         what the ranks of a job must agree on
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from agent.attempt.goodput import TimeAccount
+from agent.attempt.grace import Preemption
+from agent.attempt.interval import AutoInterval
+from agent.attempt.notices import Notice, NoticeWatch
+from agent.catalog import open_catalog
+from agent.catalog.manifests import bundle_name
+from agent.config import Config, InFlight
+from agent.counters import Counters
+from agent.data.epochs import Epochs
+from agent.ranks.base import MEET_SECONDS, Ranks, job_ranks
+from agent.restore.resume import Restorer, ResumeResult
+from agent.save.persist import PendingSave, Persister, SaveResult
+from agent.save.policy import Position, SavePolicy
+from agent.save.staging import StagingArea
+from agent.state import capture
+from agent.state.objects import Generator, gather, replicated_layers
+from agent.stateful import Stateful
+from agent.summary import announce
+from ckpt.core.contract import RESTORE_ORDER, Layer
+from ckpt.core.errors import CkptError
+from ckpt.core.storage import ObjectStore, open_store
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger("ckpt")
+
+
+class Checkpointer:
+    """Captures all six layers of a training run and resumes it bit-exactly.
+
+    Configure by keyword or by ``CKPT_*`` environment variable (see ``agent.config.Config``);
+    a keyword wins. Objects may be given singly, as a list, or as a ``{name: object}`` dict;
+    names must stay the same across restarts.
+
+    Args:
+        run: the run's name (``CKPT_RUN``); every attempt of the run uses the same one.
+        models: the model(s): parameters and buffers, plus ``.grad`` mid-accumulation.
+        optimizers: optimizer(s); parameters they own that no model has (fp32 master
+            copies) are saved with the weights.
+        schedulers: LR scheduler(s), or anything with ``state_dict``/``load_state_dict``.
+        data: what the loop iterates: a ``DataLoader`` with ``ResumableSampler``, a torchdata
+            ``StatefulDataLoader``, or any stateful object.
+        scaler: an AMP ``GradScaler``.
+        extras: other stateful objects (an EMA...), saved with the weights.
+        generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
+            objects to capture with the global RNGs.
+        store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
+            skip_unchanged, overlap, staging_bytes, grace_seconds, handle_signals,
+            heartbeat_seconds, quiet, rank_timeout_seconds: see ``Config``. ``store`` may
+            also be an ``ObjectStore``.
+
+    Raises:
+        ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
+    """
+
+    def __init__(
+        self,
+        *,
+        run: str | None = None,
+        models: nn.Module | Iterable[nn.Module] | Mapping[str, nn.Module],
+        optimizers: torch.optim.Optimizer
+        | Iterable[torch.optim.Optimizer]
+        | Mapping[str, torch.optim.Optimizer]
+        | None = None,
+        schedulers: Stateful | Iterable[Stateful] | Mapping[str, Stateful] | None = None,
+        data: object | None = None,
+        scaler: Stateful | None = None,
+        extras: Mapping[str, Stateful] | None = None,
+        generators: Mapping[str, Generator] | None = None,
+        store: str | ObjectStore | None = None,
+        server: str | None = None,
+        token: str | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        every: str | None = None,
+        auto_min_seconds: float | None = None,
+        auto_max_seconds: float | None = None,
+        mtbf_seconds: float | None = None,
+        blob_bytes: int | None = None,
+        in_flight: InFlight | str | None = None,
+        skip_unchanged: bool | None = None,
+        overlap: bool | None = None,
+        staging_bytes: int | None = None,
+        grace_seconds: float | None = None,
+        handle_signals: bool | None = None,
+        heartbeat_seconds: float | None = None,
+        quiet: bool | None = None,
+        rank_timeout_seconds: float | None = None,
+        notices: str | Iterable[str] | None = None,
+        notice_poll_seconds: float | None = None,
+        metadata_url: str | None = None,
+    ) -> None:
+        store_url = store if store is None or isinstance(store, str) else store.url
+        self.config = Config.resolve(
+            {
+                "run": run,
+                "store": store_url,
+                "server": server,
+                "token": token,
+                "every_steps": every_steps,
+                "every_seconds": every_seconds,
+                "every": every,
+                "auto_min_seconds": auto_min_seconds,
+                "auto_max_seconds": auto_max_seconds,
+                "mtbf_seconds": mtbf_seconds,
+                "blob_bytes": blob_bytes,
+                "in_flight": in_flight,
+                "skip_unchanged": skip_unchanged,
+                "overlap": overlap,
+                "staging_bytes": staging_bytes,
+                "grace_seconds": grace_seconds,
+                "handle_signals": handle_signals,
+                "heartbeat_seconds": heartbeat_seconds,
+                "quiet": quiet,
+                "rank_timeout_seconds": rank_timeout_seconds,
+                "notices": notices
+                if notices is None or isinstance(notices, str)
+                else tuple(notices),
+                "notice_poll_seconds": notice_poll_seconds,
+                "metadata_url": metadata_url,
+            }
+        )
+        self.store: ObjectStore = (
+            open_store(self.config.store) if store is None or isinstance(store, str) else store
+        )
+        self.objects = gather(
+            models=models,
+            optimizers=optimizers,
+            schedulers=schedulers,
+            data=data,
+            scaler=scaler,
+            extras=extras,
+            generators=generators,
+        )
+        self.policy = SavePolicy(
+            every_steps=self.config.every_steps, every_seconds=self.config.every_seconds
+        )
+        self.ranks: Ranks = job_ranks(timeout=self.config.rank_timeout_seconds)
+        self._wire()
+
+    def _wire(self) -> None:
+        """Connect the phases: catalog, restore, persist, preemption."""
+        config = self.config
+        self._catalog = open_catalog(
+            config, store=self.store, ranks=self.ranks, step=lambda: self.counters.step
+        )
+        self._restorer = Restorer(
+            store=self.store, catalog=self._catalog, objects=self.objects, ranks=self.ranks
+        )
+        self._staging = StagingArea(budget=config.staging_bytes)
+        self.time_spent = TimeAccount()  # where this attempt's time goes (goodput)
+        # Every optimizer step first waits until the last save no longer needs the tensors
+        # it changes (overlapped copies, tensors read in place over the budget).
+        self._step_hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._before_step())
+            for optimizer in self.objects.optimizers.values()
+        ]
+        self._persister = Persister(
+            run=config.run,
+            store=self.store,
+            catalog=self._catalog,
+            blob_bytes=config.blob_bytes,
+            ranks=self.ranks,
+            replicated=replicated_layers(self.objects, world_size=self.world_size),
+            quiet=config.quiet,
+        )
+        self._preemption = Preemption(
+            run=config.run,
+            ranks=self.ranks,
+            grace_seconds=config.grace_seconds,
+            persister=self._persister,
+            save=self.save,
+            position=self._position,
+            end=self._end,
+            install=config.handle_signals,
+        )
+        self._last_saved: Position | None = None
+        self._last_save_time = time.monotonic()
+        self._epochs = Epochs(self.objects.data, self.counters)
+        self._notices = NoticeWatch(
+            config.notices,
+            poll_seconds=config.notice_poll_seconds,
+            url=config.metadata_url,
+            on_notice=self._noticed,
+        )
+        if config.notices:
+            self._notices.start()
+        self._catalog.account(lambda: self.time_spent.figures(self.counters.step))
+        self._auto = (
+            AutoInterval(
+                run=config.run,
+                low=config.auto_min_seconds,
+                high=config.auto_max_seconds,
+                mtbf_seconds=config.mtbf_seconds,
+                estimate=self._catalog.preemption_rate,
+            )
+            if config.every == "auto"
+            else None
+        )
+
+    @property
+    def counters(self) -> Counters:
+        """The live counters; the loop reads and advances them."""
+        return self.objects.counters
+
+    @property
+    def stopping(self) -> bool:
+        """Whether SIGTERM or SIGINT reached this process: the next ``maybe_save()`` ends it."""
+        return self._preemption.requested
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    def _position(self) -> Position:
+        return Position(step=self.counters.step, micro_step=self.counters.micro_step)
+
+    def resume(
+        self,
+        *,
+        layers: Iterable[Layer | str] = RESTORE_ORDER,
+        from_run: str | None = None,
+        from_step: int | None = None,
+    ) -> ResumeResult:
+        """Restore the latest resumable bundle of the run, or report a fresh start.
+
+        Layers are restored in the fixed order weights, optimizer, scheduler, rng, data,
+        counters. Restoring only some is a warm start, not a bit-exact resume: do it from
+        another run (``from_run="base", layers=["weights"]``), since with the counters back at
+        zero, saves would collide with this run's own bundles (and are refused).
+
+        Args:
+            layers: the layers to restore; all six by default.
+            from_run: read the latest bundle of this run instead of the checkpointer's own
+                (left out: ``CKPT_FROM_RUN`` while this run has none of its own; ``Config``).
+            from_step: with ``from_run``, that run's bundle at this step, not its latest.
+
+        Returns:
+            Which bundle was restored (``bundle=None`` when there was none).
+
+        Raises:
+            CorruptBundleError: every resumable bundle has a blob that does not match its
+                manifest (one that fails is quarantined and the one before it is used). The
+                weights and optimizer state may hold parts of it: rebuild them to train.
+            BundleFormatError: the bundle is malformed (as above for weights and optimizer).
+            IncompatibleBundleError: the bundle does not fit these objects (rebuild them).
+            StoreError: the store failed to answer, or a blob read here failed its check while
+                the control plane reads it back intact (a fault on the way): retry.
+            ValueError: ``from_step`` names no complete bundle of that run.
+        """
+        self.wait()
+        chosen = {Layer(layer) for layer in layers}
+        wanted = tuple(layer for layer in RESTORE_ORDER if layer in chosen)
+        source, manifest, states = self._restorer.read_start(
+            self.config, from_run=from_run, from_step=from_step, wanted=wanted
+        )
+        if manifest is None:
+            self.time_spent.ready(self.counters.step)
+            announce(
+                f"ckpt: run {source}: no resumable bundle in {self.store.url}; starting fresh",
+                quiet=self.config.quiet,
+            )
+            return ResumeResult(bundle=None, step=None, layers=())
+        capture.put_back(self.objects, states, bundle=bundle_name(manifest))
+        own = source == self.config.run
+        self._resumed_at(manifest.step, own=own, whole=wanted == RESTORE_ORDER)
+        self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
+        self.time_spent.ready(self.counters.step)
+        announce(
+            f"ckpt: run {self.config.run}: resumed from {bundle_name(manifest)} at "
+            f"{self._position()} (layers {', '.join(wanted)})",
+            quiet=self.config.quiet,
+        )
+        return ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=wanted)
+
+    def _resumed_at(self, step: int, *, own: bool, whole: bool) -> None:
+        """The restored position is where the loop continues, and (the run's own bundle,
+        every layer) is durable."""
+        self._last_saved = self._position()
+        self._last_save_time = time.monotonic()
+        self._epochs.restart()
+        if own:
+            self._catalog.own_step(step)
+        if own and whole:
+            self._persister.resumed_at(self._position())
+
+    def batches(self) -> Iterator[Any]:
+        """Iterate the rest of the current epoch of ``data``, then advance the epoch.
+
+        Starts where the run stopped (the restored position), counts each batch handed
+        out as consumed, and leaves the random streams exactly as the uninterrupted run
+        would. Breaking out and calling it again continues the same epoch with the same
+        iterator. Call ``maybe_save`` at the end of the loop body, after the batch is used.
+        """
+        return self._epochs.batches()
+
+    def maybe_save(self) -> PendingSave | None:
+        """Save if the policy says so at the current position; call once per micro-batch.
+
+        While the previous save is still persisting, a due save waits for it
+        (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
+        returned and the next call tries again). While the control plane is unreachable a
+        due save is always skipped rather than waited for: the save before keeps retrying in
+        the background and commits when the control plane answers again.
+
+        After SIGTERM or SIGINT this is where the process ends: it waits for the save in
+        flight, saves once more if its last measured save fits in what is left of the grace
+        period (else keeps the last bundle), ends the attempt as preempted, and raises
+        ``SystemExit(128 + signal)`` (143 for SIGTERM).
+        """
+        self.time_spent.ready(self.counters.step)  # when the loop did not resume() first
+        seconds = time.monotonic() - self._last_save_time
+        if self._auto is not None and self.rank == 0:  # rank 0 times auto saves for all
+            self.policy = SavePolicy(every_seconds=self._auto.current())
+        due = self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds)
+        # Every rank decides alike: a signal that reached one rank, a save due by one
+        # rank's clock or a cloud's notice read on one rank's node, stop or save all of them
+        # at this same boundary.
+        stop, due, noticed = self.ranks.any_rank(
+            self._preemption.requested,
+            due,
+            self._notices.take() is not None,
+            timeout=MEET_SECONDS,
+        )
+        if stop:
+            self._preemption.act()
+        if noticed and self._position() != self._last_saved:
+            log.warning(
+                "run %s: saving at %s after a preemption notice", self.config.run, self._position()
+            )
+            due = True
+        if not due:
+            return None
+        waiting = time.perf_counter()
+        ready = self._persister.ready(
+            skip=self.config.in_flight is InFlight.SKIP and not noticed,
+            unreachable=self._catalog.unreachable,
+            due_at=self._position(),
+        )
+        self.time_spent.stalled(time.perf_counter() - waiting)  # for the save in flight
+        if not self.ranks.all_ok(ready, timeout=MEET_SECONDS):
+            return None
+        return self.save()
+
+    def _before_step(self) -> None:
+        """Before an optimizer step: wait until the last save no longer needs what it
+        changes (a stall too)."""
+        started = time.perf_counter()
+        self._staging.before_step()
+        self.time_spent.stalled(time.perf_counter() - started)
+
+    def save(self) -> PendingSave:
+        """Stage a bundle of the current state and persist it in the background.
+
+        Returns once every tensor is copied into the staging buffers: training may then
+        change the state. At most one save is in flight: this first waits for the one
+        before it. Call ``wait()`` on the result, or ``Checkpointer.wait()``, for the
+        bundle to be durable. A position that is durable already (saved, or resumed from)
+        is not saved again: the result is that bundle, done.
+
+        Raises:
+            UnrepresentableStateError: a state value has no safe representation (names its key path).
+            BundleExistsError: this process saved another micro step of this step already
+                (one bundle per step and attempt); or, store-only, the step has a bundle
+                this process did not write.
+            StoreError, ControlPlaneError, FencedError: the previous save's persist failed
+                (raised here, once, so that no failed save goes unnoticed).
+
+        The persist itself raises, from ``wait()``:
+            StoreError: the store failed; no manifest was written, so no bundle exists.
+            FencedError: a newer attempt of the run registered; this process must stop.
+            ControlPlaneError: the control plane refused the bundle (its message says why)
+                or stayed unreachable through the retries.
+        """
+        started = time.perf_counter()
+        self._persister.settle(block=True)
+        position = self._position()
+        if position == self._persister.durable_at:
+            log.info("run %s: %s is saved already; nothing to save", self.config.run, position)
+            return self._persister.already_durable()
+        counters = self.counters
+        step, *_ = self.ranks.agree(
+            (position.step, position.micro_step, counters.epoch, counters.batch),
+            what="the position of a save (step, micro step, epoch, batch)",
+            timeout=MEET_SECONDS,
+        )
+        self._persister.check_one_bundle_per_step(position)
+        self._catalog.check_step(step)
+        states, staged = capture.stage(
+            self.objects,
+            self._staging,
+            skip_unchanged=self.config.skip_unchanged,
+            overlap=self.config.overlap,
+        )
+        try:
+            self._catalog.own_step(step)
+            self._last_saved = position
+            self._last_save_time = time.monotonic()
+            stall = time.perf_counter() - started
+            pending = self._persister.submit(
+                states, staged, step=step, stall=stall, position=position
+            )
+        except BaseException:
+            staged.abandon()
+            raise
+        self.time_spent.stalled(stall)
+        if self._auto is not None:
+            self._auto.measured(stall)
+            self._catalog.interval(self._auto.seconds, self._auto.waste_seconds_per_hour())
+        return pending
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight (if any) is durable.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``),
+                unless ``PendingSave.wait`` already raised that failure.
+        """
+        return self._persister.wait()
+
+    def release_staging(self) -> int:
+        """Wait for the save in flight, then free the staging buffers (a copy of the state
+        in host memory, pinned for GPU tensors); the next save allocates them again.
+        Returns the bytes freed.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed.
+        """
+        self.wait()
+        return self._staging.release()
+
+    def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
+        """Tell the control plane how this attempt ended (finished, preempted or failed),
+        after the save in flight ends.
+
+        A no-op store-only, or when no attempt was registered.
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is
+                reported all the same).
+        """
+        try:
+            self.wait()
+        finally:
+            self._end(reason, final_save_committed=final_save_committed, patience=None)
+
+    def _noticed(self, notice: Notice) -> None:
+        """A cloud's notice (on the watcher's thread): the attempt records it."""
+        try:
+            self._catalog.notice(notice, step=self.counters.step)
+        except CkptError as err:
+            log.warning("run %s: could not record the notice: %s", self.config.run, err)
+
+    def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
+        self._catalog.end(
+            reason,
+            final_save_committed=final_save_committed,
+            step=self.counters.step,
+            patience=patience,
+        )
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the background thread and the
+        control-plane connection (the attempt is not ended: see ``end``).
+
+        Raises:
+            StoreError, ControlPlaneError, FencedError: the save in flight failed.
+        """
+        try:
+            self.wait()
+        finally:
+            for hook in self._step_hooks:
+                hook.remove()
+            self._notices.stop()
+            self._preemption.close()
+            self._persister.close()
+            self._catalog.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

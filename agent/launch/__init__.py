@@ -1,0 +1,6 @@
+"""``ckpt launch``: run a training command and restart it after a preemption or a crash.
+
+supervisor  the loop: start, watch, forward signals, restart or stop
+torchrun    what the supervisor reads of torchrun: whether a command runs it, how it ended
+reaping     Linux process-tree chores: find the children, kill adopted orphans
+"""

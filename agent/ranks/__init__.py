@@ -1,0 +1,5 @@
+"""What the ranks of one job agree on, behind one small interface.
+
+base         the ``Ranks`` protocol, the single process, and ``job_ranks`` to pick
+distributed  ``TorchRanks``: the same meetings over ``torch.distributed`` (gloo)
+"""

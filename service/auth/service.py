@@ -1,0 +1,151 @@
+"""Bearer tokens: an admin token from configuration, and hashed tokens in the catalog.
+
+admin  reads and writes everything, creates and revokes tokens
+run    reads and writes one run (what a training job gets)
+read   reads every run
+
+A catalog token may expire (``expires_at``); the configured admin token may be several, all
+valid at once, so that it can be rotated without downtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from service.auth import repository
+from service.auth.schemas import TokenCreate, TokenCreated, TokenOut
+from service.context import Context
+from service.errors import ForbiddenError, NotFoundError, UnauthorizedError
+from service.models import Role, Token, utcnow
+from service.settings import new_token
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a role, for run tokens the one run it may touch, and for catalog
+    tokens their id (None for the configured admin token)."""
+
+    name: str
+    role: Role
+    run: str | None = None
+    token_id: int | None = None
+
+    @property
+    def actor(self) -> str:
+        """Who did it, as the audit log names it: ``admin`` or ``token 3 (trainer)``."""
+        return "admin" if self.token_id is None else f"token {self.token_id} ({self.name})"
+
+    def may_read(self, run: str) -> bool:
+        return self.role in (Role.ADMIN, Role.READ) or self.run == run
+
+    def may_write(self, run: str) -> bool:
+        return self.role is Role.ADMIN or (self.role is Role.RUN and self.run == run)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def authenticate(
+    context: Context, *, authorization: str | None, admin_tokens: Sequence[str]
+) -> Principal:
+    """The principal behind an ``Authorization: Bearer ...`` header: one of the configured
+    ``admin_tokens``, or an unexpired token of the catalog."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise UnauthorizedError(
+            "send a bearer token: 'Authorization: Bearer <token>' (create one with "
+            "'ckpt token create')"
+        )
+    token = token.strip()
+    if _is_admin(token, admin_tokens):
+        return Principal(name="admin", role=Role.ADMIN)
+    with context.transaction() as session:
+        found = repository.find_token(session, token_hash=hash_token(token))
+        if found is None:
+            raise UnauthorizedError("unknown or revoked token")
+        if found.expires_at is not None and found.expires_at <= utcnow():
+            raise UnauthorizedError(
+                f"token {found.id} ({found.name}) expired at {found.expires_at:%Y-%m-%d %H:%M:%S} "
+                "UTC: ask an admin for a new one ('ckpt token create --expires-in ...')"
+            )
+        return Principal(
+            name=found.name, role=Role(found.role), run=found.run_name, token_id=found.id
+        )
+
+
+def _is_admin(token: str, admin_tokens: Sequence[str]) -> bool:
+    """Whether ``token`` is one of the admin tokens, comparing with each in constant time."""
+    matches = [hmac.compare_digest(token.encode(), admin.encode()) for admin in admin_tokens]
+    return any(matches)
+
+
+def require_read(principal: Principal, run: str) -> None:
+    if not principal.may_read(run):
+        raise ForbiddenError(f"token {principal.name!r} may not read run {run!r}")
+
+
+def require_write(principal: Principal, run: str) -> None:
+    if not principal.may_write(run):
+        what = "is read-only" if principal.role is Role.READ else f"may not write run {run!r}"
+        raise ForbiddenError(f"token {principal.name!r} {what}")
+
+
+def require_writer(principal: Principal) -> None:
+    """Any token that may write some run."""
+    if principal.role is Role.READ:
+        raise ForbiddenError(f"token {principal.name!r} is read-only")
+
+
+def require_admin(principal: Principal) -> None:
+    if principal.role is not Role.ADMIN:
+        raise ForbiddenError(f"token {principal.name!r} is not an admin token")
+
+
+def create_token(context: Context, request: TokenCreate) -> TokenCreated:
+    secret = new_token()
+    with context.transaction() as session:
+        token = repository.add_token(
+            session,
+            name=request.name,
+            token_hash=hash_token(secret),
+            role=request.role,
+            run_name=request.run,
+            expires_at=_expiry(request.expires_in_seconds),
+        )
+        return TokenCreated(**_out(token).model_dump(), token=secret)
+
+
+def _expiry(seconds: int | None) -> datetime | None:
+    return None if seconds is None else utcnow() + timedelta(seconds=seconds)
+
+
+def list_tokens(context: Context) -> list[TokenOut]:
+    with context.transaction() as session:
+        return [_out(token) for token in repository.list_tokens(session)]
+
+
+def revoke_token(context: Context, *, token_id: int) -> TokenOut:
+    with context.transaction() as session:
+        token = repository.get_token(session, token_id=token_id)
+        if token is None:
+            raise NotFoundError(f"no token with id {token_id}")
+        if token.revoked_at is None:
+            token.revoked_at = utcnow()
+        return _out(token)
+
+
+def _out(token: Token) -> TokenOut:
+    return TokenOut(
+        id=token.id,
+        name=token.name,
+        role=Role(token.role),
+        run=token.run_name,
+        created_at=token.created_at,
+        revoked_at=token.revoked_at,
+        expires_at=token.expires_at,
+    )

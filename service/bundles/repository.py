@@ -1,0 +1,359 @@
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from datetime import datetime
+from typing import Any, NamedTuple, TypeVar
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.models import (
+    Blob,
+    Bundle,
+    BundleStatus,
+    Layer,
+    LayerBlob,
+    RunActivity,
+    Save,
+    utcnow,
+)
+from service.sql import Lock, insert, locked, one_of
+
+# Rows per statement: Postgres takes at most 65535 bind parameters per query.
+_BATCH = 1000
+T = TypeVar("T")
+
+
+def get_bundle(session: Session, *, bundle_id: int, lock: Lock = Lock.NONE) -> Bundle | None:
+    return session.scalar(locked(select(Bundle).where(Bundle.id == bundle_id), lock))
+
+
+def find_bundle(session: Session, *, attempt_id: int, step: int) -> Bundle | None:
+    return session.scalar(
+        select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.step == step)
+    )
+
+
+def latest_of_attempt(
+    session: Session, *, attempt_id: int, statuses: Collection[str], below_step: int | None = None
+) -> Bundle | None:
+    query = select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.status.in_(statuses))
+    if below_step is not None:
+        query = query.where(Bundle.step < below_step)
+    return session.scalar(query.order_by(Bundle.step.desc(), Bundle.id.desc()).limit(1))
+
+
+def insert_bundle(session: Session, **values: object) -> bool:
+    """Insert a pending bundle unless its (attempt, step) exists; whether it was inserted."""
+    result = session.execute(
+        insert(session, Bundle)
+        .values(status=BundleStatus.PENDING, pinned=False, created_at=utcnow(), **values)
+        .on_conflict_do_nothing(index_elements=["attempt_id", "step"])
+        .returning(Bundle.id)
+    )
+    # rowcount is -1 on some drivers for INSERT .. ON CONFLICT; a returned row is not.
+    inserted = result.first() is not None
+    if inserted:
+        _count_bundle(session, run_id=values["run_id"])
+    return inserted
+
+
+def layers_of(session: Session, *, bundle_id: int) -> list[Layer]:
+    return list(
+        session.scalars(
+            select(Layer).where(Layer.bundle_id == bundle_id).order_by(Layer.rank, Layer.id)
+        )
+    )
+
+
+def layer_ids(session: Session, *, bundle_id: int) -> dict[tuple[int, str], int]:
+    """The bundle's recorded layers' rows, by rank and layer (ids only: no record)."""
+    rows = session.execute(
+        select(Layer.rank, Layer.layer, Layer.id).where(Layer.bundle_id == bundle_id)
+    )
+    return {(rank, layer): layer_id for rank, layer, layer_id in rows}
+
+
+def get_layer(session: Session, *, bundle_id: int, rank: int, layer: str) -> Layer | None:
+    return session.scalar(
+        select(Layer).where(Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer == layer)
+    )
+
+
+def insert_layer(
+    session: Session,
+    *,
+    bundle_id: int,
+    rank: int,
+    layer: str,
+    payload_bytes: int,
+    record: dict[str, object],
+    blobs: list[str],
+) -> bool:
+    """Insert a layer and its blob references unless it exists; whether it was inserted."""
+    result = session.execute(
+        insert(session, Layer)
+        .values(
+            bundle_id=bundle_id,
+            rank=rank,
+            layer=layer,
+            payload_bytes=payload_bytes,
+            record=record,
+            recorded_at=utcnow(),
+        )
+        .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
+        .returning(Layer.id)
+    )
+    layer_id = result.scalar()
+    if layer_id is None:
+        return False
+    rows = [{"layer_id": layer_id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
+    for start in range(0, len(rows), _BATCH):
+        statement = insert(session, LayerBlob)
+        session.execute(statement.values(rows[start : start + _BATCH]))
+    return True
+
+
+def put_save(
+    session: Session, *, bundle_id: int, run_id: int, rank: int, figures: Mapping[str, float]
+) -> bool:
+    """Store a rank's save figures, replacing any it reported before; whether they are new.
+    ``run_id`` is the bundle's run (the dashboard sums a run's saves by it)."""
+    values = {**figures, "reported_at": utcnow()}
+    # Not ON CONFLICT DO UPDATE: the caller must know an insert from a replace, and only
+    # Postgres can tell them apart in RETURNING. A racing insert makes this one do nothing.
+    inserted = session.execute(
+        insert(session, Save)
+        .values(bundle_id=bundle_id, run_id=run_id, rank=rank, **values)
+        .on_conflict_do_nothing(index_elements=["bundle_id", "rank"])
+        .returning(Save.id)
+    ).first()
+    if inserted is None:
+        session.execute(
+            update(Save).where(Save.bundle_id == bundle_id, Save.rank == rank).values(**values)
+        )
+    return inserted is not None
+
+
+def get_save(session: Session, *, bundle_id: int, rank: int) -> Save | None:
+    return session.scalar(select(Save).where(Save.bundle_id == bundle_id, Save.rank == rank))
+
+
+def saves_of(session: Session, *, bundle_id: int) -> list[Save]:
+    return list(
+        session.scalars(select(Save).where(Save.bundle_id == bundle_id).order_by(Save.rank))
+    )
+
+
+def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:
+    """Insert blobs not in the catalog yet; (re)start the GC grace period of all of them.
+
+    Rows are touched in hash order so that concurrent claims never deadlock.
+    """
+    if not sizes:
+        return
+    now = utcnow()
+    ordered = sorted(sizes)
+    for start in range(0, len(ordered), _BATCH):
+        statement = insert(session, Blob).values(
+            [
+                {"sha256": sha, "size": sizes[sha], "created_at": now, "claimed_at": now}
+                for sha in ordered[start : start + _BATCH]
+            ]
+        )
+        session.execute(
+            statement.on_conflict_do_update(
+                index_elements=["sha256"], set_={"claimed_at": statement.excluded.claimed_at}
+            )
+        )
+
+
+def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
+    found: dict[str, Blob] = {}
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        chunk = ordered[start : start + _BATCH]
+        found.update(
+            (b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk)))
+        )
+    return found
+
+
+class Health(NamedTuple):
+    """What a commit needs of a blob's catalog row."""
+
+    verified_at: datetime | None
+    damaged_at: datetime | None
+    size: int  # what the catalog says: a record's, until a commit finds the stored one
+
+
+def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
+    """These blobs' catalog rows, locked for update in hash order (as claims lock them: an
+    UPDATE alone would lock in scan order and could deadlock with a claim), and their
+    health."""
+    found: dict[str, Health] = {}
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        chunk = ordered[start : start + _BATCH]
+        rows = session.execute(
+            select(Blob.sha256, Blob.verified_at, Blob.damaged_at, Blob.size)
+            .where(one_of(session, Blob.sha256, chunk))
+            .order_by(Blob.sha256)
+            .with_for_update()
+        )
+        found.update(
+            (sha, Health(verified, damaged, size)) for sha, verified, damaged, size in rows
+        )
+    return found
+
+
+def mark_verified(
+    session: Session,
+    *,
+    sizes: Mapping[str, int],
+    hashed: Collection[str],
+    at: datetime,
+    locked: Mapping[str, Health],
+) -> None:
+    """Record that these blobs were found whole with these sizes (and the ``hashed`` ones
+    with their bytes matching their SHA-256): any damage found before is gone (they were
+    written again). The caller holds the rows' locks: ``locked`` is what ``lock_blobs``
+    answered.
+
+    One statement marks them all (and the hashed ones with it, when that is all of them);
+    a size is written only where the catalog's differs (a record's that the store did not
+    bear out): a statement per distinct size cost a real bundle, whose tensors' blobs
+    have as many sizes, a round trip each.
+    """
+    resized: dict[int, list[str]] = {}
+    for sha, size in sorted(sizes.items()):
+        row = locked.get(sha)
+        if row is not None and row.size != size:
+            resized.setdefault(size, []).append(sha)
+    values: dict[str, Any] = {"verified_at": at, "damaged_at": None, "damage": None}
+    changes: list[tuple[list[str], dict[str, Any]]] = []
+    if set(hashed) == set(sizes):
+        changes.append((sorted(sizes), {**values, "hashed_at": at}))
+    else:
+        changes += [(sorted(sizes), values), (sorted(hashed), {"hashed_at": at})]
+    changes += [(shas, {"size": size}) for size, shas in resized.items()]
+    for shas, change in changes:
+        for start in range(0, len(shas), _BATCH):
+            session.execute(
+                update(Blob)
+                .where(one_of(session, Blob.sha256, shas[start : start + _BATCH]))
+                .values(change)
+                .execution_options(synchronize_session=False)
+            )
+
+
+def mark_hashed(session: Session, *, shas: Collection[str], at: datetime) -> None:
+    """Record that these blobs were read back and their bytes hash to their names, unless
+    found damaged meanwhile (a rewrite and a commit clear that, not a read)."""
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        session.execute(
+            update(Blob)
+            .where(Blob.sha256.in_(ordered[start : start + _BATCH]), Blob.damaged_at.is_(None))
+            .values(hashed_at=at)
+        )
+
+
+def mark_damaged(session: Session, *, damage: Mapping[str, str], at: datetime) -> None:
+    """Record that these blobs were found absent or damaged (``damage``: the problem): they
+    are not verified any more. The caller holds their row locks."""
+    ordered = sorted(damage)
+    for start in range(0, len(ordered), _BATCH):
+        session.execute(
+            update(Blob),
+            [
+                {
+                    "sha256": sha,
+                    "damaged_at": at,
+                    "damage": damage[sha],
+                    "verified_at": None,
+                    "hashed_at": None,
+                }
+                for sha in ordered[start : start + _BATCH]
+            ],
+        )
+
+
+def complete_users(session: Session, *, shas: Collection[str]) -> list[tuple[Bundle, str]]:
+    """Each complete bundle, of any run, that references one of these blobs, with the blob;
+    the bundles locked for update, in id order."""
+    pairs: set[tuple[int, str]] = set()
+    for chunk in _chunks(sorted(shas)):
+        rows = session.execute(
+            select(Layer.bundle_id, LayerBlob.blob_sha256)
+            .join(LayerBlob, LayerBlob.layer_id == Layer.id)
+            .where(LayerBlob.blob_sha256.in_(chunk))
+            .distinct()
+        )
+        pairs.update((bundle_id, sha) for bundle_id, sha in rows)
+    bundles: dict[int, Bundle] = {}
+    for ids in _chunks(sorted({bundle_id for bundle_id, _ in pairs})):
+        found = session.scalars(
+            select(Bundle)
+            .where(Bundle.id.in_(ids), Bundle.status == BundleStatus.COMPLETE)
+            .order_by(Bundle.id)
+            .with_for_update()
+        )
+        bundles.update((bundle.id, bundle) for bundle in found)
+    return [(bundles[i], sha) for i, sha in sorted(pairs) if i in bundles]
+
+
+def _chunks(values: list[T]) -> list[list[T]]:
+    """``values`` in statements of at most ``_BATCH`` parameters each."""
+    return [values[start : start + _BATCH] for start in range(0, len(values), _BATCH)]
+
+
+def referenced_by_runs(
+    session: Session, *, run_ids: Collection[int], shas: Collection[str], statuses: Collection[str]
+) -> set[str]:
+    """Those of these blobs that a layer of a bundle of these runs, in these statuses,
+    references."""
+    found: set[str] = set()
+    ordered = sorted(shas)
+    for start in range(0, len(ordered), _BATCH):
+        found.update(
+            session.scalars(
+                select(LayerBlob.blob_sha256)
+                .join(Layer, Layer.id == LayerBlob.layer_id)
+                .join(Bundle, Bundle.id == Layer.bundle_id)
+                .where(
+                    LayerBlob.blob_sha256.in_(ordered[start : start + _BATCH]),
+                    Bundle.run_id.in_(sorted(run_ids)),
+                    Bundle.status.in_(statuses),
+                )
+                .distinct()
+            )
+        )
+    return found
+
+
+def add_bundle(session: Session, **values: object) -> Bundle:
+    bundle = Bundle(pinned=False, created_at=utcnow(), **values)
+    session.add(bundle)
+    session.flush()
+    _count_bundle(session, run_id=bundle.run_id)
+    return bundle
+
+
+def _count_bundle(session: Session, *, run_id: object) -> None:
+    """One more bundle in the run's ``run_activity`` (the dashboard's count)."""
+    session.execute(
+        update(RunActivity)
+        .where(RunActivity.run_id == run_id)
+        .values(bundles=RunActivity.bundles + 1)
+    )
+
+
+def run_steps(session: Session, *, run_id: int, statuses: Collection[str]) -> dict[int, Bundle]:
+    """The run's bundles in these statuses by step (the newest id wins a shared step)."""
+    rows = session.scalars(
+        select(Bundle)
+        .where(Bundle.run_id == run_id, Bundle.status.in_(statuses))
+        .order_by(Bundle.id)
+    )
+    return {bundle.step: bundle for bundle in rows}

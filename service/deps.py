@@ -1,0 +1,68 @@
+"""FastAPI dependencies, as typed aliases so that route signatures read like sentences."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import Depends, Path, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BeforeValidator
+
+from service.auth.service import Principal, authenticate
+from service.context import Context
+from service.names import MAX_ID, RUN_NAME_PATTERN
+from service.settings import admin_tokens
+
+MAX_RANK = 16383  # world sizes go up to 16384
+
+
+def get_context(request: Request) -> Context:
+    context: Context = request.app.state.context
+    return context
+
+
+ContextDep = Annotated[Context, Depends(get_context)]
+
+
+# The API description's security scheme. It refuses nothing itself (``auto_error=False``):
+# ``authenticate`` answers a missing or malformed token with the API's own 401 body.
+bearer = HTTPBearer(
+    scheme_name="bearer",
+    description="a token from 'ckpt token create', or the admin token (CKPT_ADMIN_TOKEN)",
+    auto_error=False,
+)
+
+
+def get_principal(
+    request: Request,
+    context: ContextDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+) -> Principal:
+    authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+    return authenticate(
+        context,
+        authorization=authorization,
+        admin_tokens=admin_tokens(request.app.state.admin_token),
+    )
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def _digits(text: object) -> object:
+    """A path number as plain decimal digits: ``1.0``, `` 1``, ``+1``, ``01`` and ``1_0``
+    would all be read as 1 (or 10) by a lax integer parser, and name one row many ways. (A
+    minus sign passes, for the range check to refuse with its own message.)"""
+    if isinstance(text, str) and not re.fullmatch(r"-?(0|[1-9][0-9]*)", text):
+        raise ValueError(f"{text!r} is not a number: write it in decimal digits only")
+    return text
+
+
+# The bounds before the validator: after it, FastAPI writes them into the API description as
+# "ge"/"le" (which JSON Schema ignores), not as "minimum"/"maximum".
+IdPath = Annotated[int, Path(ge=1, le=MAX_ID, description="a catalog id"), BeforeValidator(_digits)]
+RankPath = Annotated[
+    int, Path(ge=0, le=MAX_RANK, description="a rank of the bundle"), BeforeValidator(_digits)
+]
+RunPath = Annotated[str, Path(pattern=RUN_NAME_PATTERN, description="the run's name")]

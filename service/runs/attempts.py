@@ -1,0 +1,246 @@
+"""Attempts of a run, from registration to their end: registration (with fencing and the
+resume decision), heartbeats, the end report, marking silent attempts lost, and counting
+the steps each ended attempt lost."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from ckpt.core.goodput import redo_seconds
+from service import lineage
+from service.auth.service import Principal, require_write
+from service.context import Context
+from service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
+from service.metrics import Metrics
+from service.models import Attempt, Bundle, EndReason, Run, utcnow
+from service.runs import repository
+from service.runs.schemas import (
+    AttemptCreate,
+    AttemptEnd,
+    AttemptNotice,
+    AttemptOut,
+    AttemptRegistered,
+    AttemptTime,
+    Heartbeat,
+)
+from service.runs.service import attempt_node, attempt_out, resumable_bundle, resume_point
+from service.sql import Lock
+
+log = logging.getLogger("ckpt.runs")
+
+
+def register_attempt(
+    context: Context, principal: Principal, *, name: str, request: AttemptCreate
+) -> AttemptRegistered:
+    """Register a new attempt of the run (creating the run if need be) and decide what it
+    resumes from. Its epoch fences every older attempt."""
+    require_write(principal, name)
+    with context.transaction() as session:
+        run, _ = repository.ensure_run(session, name=name)
+        run.epoch += 1
+        start = resumable_bundle(session, run) if request.resume else None
+        previous = repository.last_attempt(session, run_id=run.id)
+        attempt = repository.add_attempt(
+            session,
+            run=run,
+            pod=request.pod,
+            node=request.node,
+            pool=request.pool,
+            resumed_from_id=start.id if start else None,
+        )
+        repository.refresh_activity(session, run_ids=[run.id])
+        context.metrics.attempts.inc()
+        if previous is not None:  # an ended predecessor's steps lost are known now
+            _count_steps_lost(
+                context.metrics, previous, before=None, after=_steps_lost(session, previous)
+            )
+        return AttemptRegistered(
+            attempt_id=attempt.id,
+            run=run.name,
+            epoch=attempt.epoch,
+            resume_from=resume_point(start),
+            store=context.store.url,
+        )
+
+
+def heartbeat(
+    context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
+) -> AttemptOut:
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if attempt.epoch != run.epoch:
+            raise FencedError(
+                f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
+                f"epoch {run.epoch}; stop writing and exit",
+                run_epoch=run.epoch,
+            )
+        if beat.step is not None:
+            _check_advance(session, attempt, beat.step, limit=context.settings.max_step_advance)
+        attempt.heartbeat_at = utcnow()
+        repository.beat_rank(
+            session, attempt_id=attempt.id, rank=beat.rank, at=attempt.heartbeat_at
+        )
+        if beat.step is not None:
+            attempt.last_step = beat.step
+        if beat.time is not None:
+            _account(context.metrics, attempt, beat.time)
+        if beat.interval_seconds is not None:
+            attempt.interval_seconds = beat.interval_seconds
+            attempt.waste_seconds_per_hour = beat.waste_seconds_per_hour
+        silent_since = attempt.heartbeat_at - timedelta(seconds=context.settings.lost_after_seconds)
+        if attempt.end_reason == EndReason.LOST and not repository.rank_silent(
+            session, attempt_id=attempt.id, silent_since=silent_since
+        ):  # it was alive after all (a partition), every rank of it
+            attempt.ended_at = attempt.end_reason = None
+        repository.refresh_activity(session, run_ids=[run.id], settle=False)
+        # Not fenced, so no successor has registered: nothing is lost yet.
+        return attempt_out(attempt, run, steps_lost=None)
+
+
+def end_attempt(
+    context: Context, principal: Principal, *, attempt_id: int, end: AttemptEnd
+) -> AttemptOut:
+    """Record how an attempt ended (accepted from fenced attempts too: it is history). An
+    attempt marked lost that reports its end was alive after all: its report replaces the
+    verdict."""
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
+            if attempt.end_reason == end.reason:
+                return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
+            raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
+        if end.step is not None:
+            _check_advance(session, attempt, end.step, limit=context.settings.max_step_advance)
+        before = _steps_lost(session, attempt)
+        attempt.ended_at = utcnow()
+        attempt.end_reason = end.reason
+        attempt.final_save_committed = end.final_save_committed
+        if end.time is not None:
+            _account(context.metrics, attempt, end.time)
+        if end.step is not None:
+            attempt.last_step = end.step
+        after = _steps_lost(session, attempt)
+        repository.refresh_activity(session, run_ids=[run.id])
+        _count_steps_lost(context.metrics, attempt, before=before, after=after)
+        return attempt_out(attempt, run, steps_lost=after)
+
+
+def notice(
+    context: Context, principal: Principal, *, attempt_id: int, notice: AttemptNotice
+) -> AttemptOut:
+    """Record the first notice of a coming preemption the attempt read (accepted after the
+    attempt was fenced or ended too: it is history); a later one is logged, not kept."""
+    text = f"{notice.cloud} {notice.kind}" + (f": {notice.detail}" if notice.detail else "")
+    with context.transaction() as session:
+        attempt, run = _attempt(session, principal, attempt_id)
+        if notice.step is not None and attempt.ended_at is None:
+            _check_advance(session, attempt, notice.step, limit=context.settings.max_step_advance)
+            attempt.last_step = max(attempt.last_step or 0, notice.step)
+        first = attempt.notice_at is None
+        if first:
+            attempt.notice_at, attempt.notice = utcnow(), text
+            context.metrics.notices.labels(cloud=notice.cloud, kind=notice.kind).inc()
+        out = attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
+    log.warning(
+        "run %s: attempt %d (epoch %d) reports %s notice: %s",
+        run.name,
+        attempt.id,
+        attempt.epoch,
+        "a" if first else "another",
+        text,
+    )
+    return out
+
+
+def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
+    """End as lost every attempt that has not ended and whose last heartbeat (or, without
+    one, its registration), or the last heartbeat of any of its ranks, is older than
+    ``lost_after_seconds`` at ``now``; one transaction.
+    Returns their ids. The server runs it periodically; tests pass a ``now`` of their own.
+    """
+    now = now or utcnow()
+    silent_since = now - timedelta(seconds=context.settings.lost_after_seconds)
+    with context.transaction() as session:
+        lost = repository.mark_lost(session, silent_since=silent_since, now=now)
+        steps = [_steps_lost(session, attempt) for attempt in lost]
+    context.metrics.attempts_lost.inc(len(lost))
+    for attempt, lost_steps in zip(lost, steps, strict=True):
+        _count_steps_lost(context.metrics, attempt, before=None, after=lost_steps)
+        log.warning(
+            "attempt %d (run %d, epoch %d) is lost: no heartbeat for %.0f s (last step %s)",
+            attempt.id,
+            attempt.run_id,
+            attempt.epoch,
+            context.settings.lost_after_seconds,
+            attempt.last_step,
+        )
+    return [attempt.id for attempt in lost]
+
+
+def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
+    """The attempt locked for a change, its run share-locked: the run first, as every
+    other write locks (opening a bundle locks the run, then references the attempt)."""
+    found = repository.get_attempt(session, attempt_id=attempt_id)
+    if found is None:
+        raise NotFoundError(f"no attempt with id {attempt_id}")
+    run = repository.get_run_by_id(session, run_id=found.run_id, lock=Lock.SHARE)
+    require_write(principal, run.name)
+    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
+    assert attempt is not None
+    return attempt, run
+
+
+def _check_advance(session: Session, attempt: Attempt, step: int, *, limit: int) -> None:
+    """A reported step at most ``limit`` ahead of what the attempt is known to have reached:
+    its last reported step, else the step it resumed from, else 0. Steps feed counters
+    (steps lost), so a typo or a hostile client must not inflate them."""
+    resumed = session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None
+    known = max(attempt.last_step or 0, resumed.step if resumed else 0)
+    if step > known + limit:
+        raise InvalidRequestError(
+            f"step {step} is more than {limit} steps (CKPT_MAX_STEP_ADVANCE) ahead of step "
+            f"{known}, the last this attempt reported or resumed from: report the step "
+            "training has reached, at least every CKPT_MAX_STEP_ADVANCE steps"
+        )
+
+
+def _steps_lost(session: Session, attempt: Attempt) -> int | None:
+    """The attempt's steps lost, as the catalog stands in this transaction."""
+    successor = repository.next_attempt(session, run_id=attempt.run_id, epoch=attempt.epoch)
+
+    def step_of(bundle_id: int) -> int | None:
+        bundle = session.get(Bundle, bundle_id)
+        return bundle.step if bundle else None
+
+    return lineage.steps_lost(
+        attempt_node(attempt, step_of),
+        attempt_node(successor, step_of) if successor else None,
+    )
+
+
+def _account(metrics: Metrics, attempt: Attempt, time: AttemptTime) -> None:
+    """Keep the attempt's latest time figures; count what they add in the metrics."""
+    for part in ("restart", "stall", "train"):
+        now = getattr(time, f"{part}_seconds")
+        before = getattr(attempt, f"{part}_seconds") or 0.0
+        if now > before:
+            metrics.attempt_seconds.labels(part=part).inc(now - before)
+        setattr(attempt, f"{part}_seconds", now)
+    attempt.steps_trained = time.steps_trained
+
+
+def _count_steps_lost(
+    metrics: Metrics, attempt: Attempt, *, before: int | None, after: int | None
+) -> None:
+    """Count what a change made newly known (a lost attempt that reports its end may have
+    reported a later step): the steps lost, and the time they took."""
+    if after is not None and after > (before or 0):
+        metrics.steps_lost.inc(after - (before or 0))
+        train, trained = attempt.train_seconds or 0.0, attempt.steps_trained or 0
+        redo = redo_seconds(train_seconds=train, steps_trained=trained, steps_lost=after)
+        redo -= redo_seconds(train_seconds=train, steps_trained=trained, steps_lost=before)
+        if redo > 0:
+            metrics.attempt_seconds.labels(part="redo").inc(redo)

@@ -1,0 +1,276 @@
+"""What each dashboard page shows: the rules between the routes (``endpoints.py``, which
+hand each request's one transaction in) and the SQL (``queries.py``, ``window.py``, the
+domains' repositories)."""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ckpt.core.contract import RESTORE_ORDER, Layer
+from service import completeness
+from service.auth.service import Principal, require_read
+from service.bundles import repository as bundles_repository
+from service.bundles.damage import trusted
+from service.errors import NotFoundError
+from service.models import (
+    Attempt,
+    Blob,
+    Bundle,
+    BundleEvent,
+    BundleStatus,
+    Role,
+    Run,
+    RunActivity,
+    Save,
+)
+from service.runs import repository as runs_repository
+from service.runs.service import resumable_bundle, time_spent
+from service.ui import queries
+from service.ui.drawing import draw_lineage, draw_saves
+from service.ui.queries import RunFigures, RunListing
+from service.ui.window import run_window
+
+MAX_RANKS_SHOWN = 256  # of a bundle's completeness matrix
+MAX_BLOBS_SHOWN = 500
+
+
+@dataclass(frozen=True)
+class RunsPage:
+    runs: list[tuple[RunListing, RunFigures]]
+    page: int
+    has_next: bool
+    prefix: str
+    state: str
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    attempt: Attempt
+    steps_lost: int | None
+    goodput: float | None  # None before its agent reported time
+
+
+@dataclass(frozen=True)
+class RunPage:
+    listing: RunListing
+    figures: RunFigures
+    lineage_svg: str
+    saves_svg: str
+    attempts: list[AttemptRow]  # newest first
+    hidden_lanes: int
+    hidden_bundles: int
+
+
+@dataclass(frozen=True)
+class BlobView:
+    sha256: str
+    size: int
+    state: str  # verified, size-checked, unverified, absent, wrong_size, wrong_hash, unknown
+
+
+@dataclass(frozen=True)
+class BundlePage:
+    bundle: Bundle
+    run: Run
+    epoch: int | None
+    state: str  # the run's
+    ranks: list[tuple[int, list[tuple[str, bool]]]]  # rank -> (layer, recorded)
+    missing: str  # in words; empty when nothing is
+    blobs: list[BlobView]
+    num_blobs: int
+    saves: list[Save]
+    new_run_command: str | None
+    resume_command: str | None
+    resume_note: str
+    layers: list[str] = field(default_factory=lambda: [layer.value for layer in RESTORE_ORDER])
+
+
+def runs_page(
+    session: Session, principal: Principal, *, prefix: str, state: str, page: int
+) -> RunsPage:
+    only = principal.run if principal.role is Role.RUN else None
+    listings, has_next = queries.list_runs(
+        session, prefix=prefix or None, state=state or None, only=only, page=page
+    )
+    found = queries.figures(session, listings=listings)
+    return RunsPage(
+        runs=[(listing, found[listing.id]) for listing in listings],
+        page=page,
+        has_next=has_next,
+        prefix=prefix,
+        state=state,
+    )
+
+
+def run_page(session: Session, principal: Principal, *, name: str) -> RunPage:
+    run = _run(session, principal, name)
+    listing = queries.run_listing(session, run=run)
+    window = run_window(session, run, attempts=listing.attempts, bundles=listing.bundles)
+    figures = queries.figures(session, listings=[listing], with_bytes=False)[run.id]
+    hidden = window.picture.hidden
+    return RunPage(
+        listing=listing,
+        figures=figures,
+        lineage_svg=draw_lineage(window.picture),
+        saves_svg=draw_saves(window.saves),
+        attempts=[_attempt_row(a, window.steps_lost[a.id]) for a in reversed(window.attempts)],
+        hidden_lanes=hidden.lanes if hidden else 0,
+        hidden_bundles=hidden.bundles if hidden else 0,
+    )
+
+
+def _attempt_row(attempt: Attempt, steps_lost: int | None) -> AttemptRow:
+    spent = time_spent(attempt, steps_lost=steps_lost)
+    return AttemptRow(attempt, steps_lost, spent.goodput if spent else None)
+
+
+def bundle_page(
+    session: Session, principal: Principal, *, name: str, bundle_id: int, server_url: str
+) -> BundlePage:
+    run = _run(session, principal, name)
+    bundle = _bundle(session, run, bundle_id)
+    layers = bundles_repository.layers_of(session, bundle_id=bundle.id)
+    recorded = {(row.rank, Layer(row.layer)) for row in layers}
+    sizes = {b["sha256"]: int(b["size"]) for row in layers for b in row.record.get("blobs", [])}
+    known = bundles_repository.blobs_by_sha(session, shas=list(sizes)[:MAX_BLOBS_SHOWN])
+    attempt = session.get(Attempt, bundle.attempt_id) if bundle.attempt_id else None
+    resumable = resumable_bundle(session, run)
+    listing = queries.run_listing(session, run=run)
+    saves = bundles_repository.saves_of(session, bundle_id=bundle.id)
+    command, note = resume_command(
+        run.name, bundle, resumable_id=resumable.id if resumable else None, server_url=server_url
+    )
+    missing = completeness.missing_layers(world_size=bundle.world_size, recorded=recorded)
+    return BundlePage(
+        bundle=bundle,
+        run=run,
+        epoch=attempt.epoch if attempt else None,
+        state=listing.state,
+        ranks=_matrix(bundle.world_size, recorded),
+        missing=missing_words(missing),
+        blobs=[
+            _blob(sha, size, known.get(sha)) for sha, size in list(sizes.items())[:MAX_BLOBS_SHOWN]
+        ],
+        num_blobs=len(sizes),
+        saves=saves,
+        new_run_command=new_run_command(run.name, bundle, server_url=server_url),
+        resume_command=command,
+        resume_note=note,
+    )
+
+
+def missing_words(missing: list[completeness.Part], *, ranks: int = 8) -> str:
+    """The unrecorded parts in words, rank by rank: "rank 0: optimizer, rng; rank 1: all"."""
+    by_rank: dict[int, list[str]] = {}
+    for part in missing:
+        by_rank.setdefault(part.rank, []).append(part.layer.value)
+    words = [
+        f"rank {rank}: {'all six layers' if len(layers) == len(RESTORE_ORDER) else ', '.join(layers)}"
+        for rank, layers in list(by_rank.items())[:ranks]
+    ]
+    more = len(by_rank) - ranks
+    return "; ".join(words) + (f"; and {more} more ranks" if more > 0 else "")
+
+
+def _matrix(
+    world_size: int, recorded: set[tuple[int, Layer]]
+) -> list[tuple[int, list[tuple[str, bool]]]]:
+    return [
+        (rank, [(layer.value, (rank, layer) in recorded) for layer in RESTORE_ORDER])
+        for rank in range(min(world_size, MAX_RANKS_SHOWN))
+    ]
+
+
+def _blob(sha256: str, size: int, blob: Blob | None) -> BlobView:
+    """A blob and what the catalog knows of its copy in the store."""
+    if blob is None:
+        state = "unknown"
+    elif blob.damaged_at is not None:
+        state = blob.damage or "damaged"
+    elif blob.hashed_at is not None:
+        state = "verified"  # its bytes hashed to its name
+    else:
+        state = "size-checked" if trusted(blob) else "unverified"
+    return BlobView(sha256=sha256, size=size, state=state)
+
+
+def new_run_command(run: str, bundle: Bundle, *, server_url: str) -> str | None:
+    """The shell command that starts a new run from ``bundle`` (``CKPT_FROM_RUN`` /
+    ``CKPT_FROM_STEP``); None when it cannot be resumed from."""
+    if bundle.status != BundleStatus.COMPLETE:
+        return None
+    return (
+        f"CKPT_SERVER={shlex.quote(server_url)} "
+        f"CKPT_RUN={shlex.quote(f'{run}-from-{bundle.step}')} "
+        f"CKPT_FROM_RUN={shlex.quote(run)} CKPT_FROM_STEP={bundle.step} "
+        "ckpt launch -- python train.py"
+    )
+
+
+def resume_command(
+    run: str, bundle: Bundle, *, resumable_id: int | None, server_url: str
+) -> tuple[str | None, str]:
+    """The shell command that continues the run itself from ``bundle``, and a note on it.
+
+    A run always resumes from its live branch's newest complete bundle: for that bundle the
+    command is the job's launch; for an older complete one, a rollback to it first (the run's
+    next attempt then resumes from it). Other bundles cannot be resumed from.
+    """
+    launch = (
+        f"CKPT_SERVER={shlex.quote(server_url)} CKPT_RUN={shlex.quote(run)} "
+        "ckpt launch -- python train.py"
+    )
+    if bundle.status != BundleStatus.COMPLETE:
+        return None, f"a {bundle.status} bundle cannot be resumed from: only a complete one"
+    if bundle.id == resumable_id:
+        return launch, "the run's next attempt resumes from this bundle (replace train.py)"
+    rollback = (
+        f'curl -fsS -X POST -H "Authorization: Bearer $CKPT_TOKEN" '
+        f"-H 'Content-Type: application/json' -d '{{\"bundle_id\": {bundle.id}}}' "
+        f"{shlex.quote(f'{server_url}/v1/runs/{run}/rollback')}"
+    )
+    note = (
+        "rolls the run back to this bundle (a write token), then its next attempt resumes from it"
+    )
+    return f"{rollback} && {launch}", note
+
+
+def manifest(
+    session: Session, principal: Principal, *, name: str, bundle_id: int
+) -> dict[str, Any]:
+    bundle = _bundle(session, _run(session, principal, name), bundle_id)
+    if bundle.manifest is None:
+        raise NotFoundError(f"bundle {bundle_id} is {bundle.status}: it has no manifest")
+    return bundle.manifest
+
+
+def live_version(session: Session, principal: Principal, *, name: str) -> str:
+    """A short digest of everything the run page shows: it changes when any of it does."""
+    run = _run(session, principal, name)
+    activity = session.get(RunActivity, run.id)  # kept by every write to attempts
+    last_event = session.scalar(
+        select(func.max(BundleEvent.id)).where(BundleEvent.run_id == run.id)
+    )
+    facts = (run.epoch, run.head_bundle_id, activity.writes if activity else 0, last_event)
+    return hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+
+
+def _run(session: Session, principal: Principal, name: str) -> Run:
+    require_read(principal, name)
+    run = runs_repository.get_run(session, name=name)
+    if run is None:
+        raise NotFoundError(f"no run named {name!r}")
+    return run
+
+
+def _bundle(session: Session, run: Run, bundle_id: int) -> Bundle:
+    bundle = bundles_repository.get_bundle(session, bundle_id=bundle_id)
+    if bundle is None or bundle.run_id != run.id:
+        raise NotFoundError(f"run {run.name!r} has no bundle {bundle_id}")
+    return bundle
