@@ -1,15 +1,16 @@
 """The Checkpointer: the training loop's one handle on ckpt.
 
-A façade over the phases, each in a module of its own:
+A thin guard over the phases, each in a folder of its own:
 
-    capture       the six layers out of the objects and into the staging buffers (the stall)
-    persist       hash, upload, record, commit, in the background; ``PendingSave``
-    restore       find the resumable bundle, read and verify it, fall back
-    catalog       where bundles are kept: the store alone or the control plane
-    attempt       register, heartbeat and end this process's attempt (control plane)
-    preemption    what happens between a stop signal and the exit (``signals`` catches it)
-    epochs        the walk through the data from the restored position
-    ranks         what the ranks of a job must agree on
+    save/schedule   whether a step boundary saves (policy, notices, signals, the save in flight)
+    save/staging    the six layers out of the objects and into the staging buffers (the stall)
+    save/persist    hash, upload, record, commit, in the background; ``PendingSave``
+    restore/resume  find the resumable bundle, read and verify it, fall back
+    state/capture   the layers put back into the objects, in the fixed order
+    catalog/        where bundles are kept: the store alone or the control plane
+    attempt/grace   what happens between a stop signal and the exit
+    data/epochs     the walk through the data from the restored position
+    ranks/          what the ranks of a job must agree on
 """
 
 from __future__ import annotations
@@ -18,31 +19,28 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
 from agent.attempt.goodput import TimeAccount
 from agent.attempt.grace import Preemption
-from agent.attempt.interval import AutoInterval
-from agent.attempt.notices import Notice, NoticeWatch
 from agent.catalog import open_catalog
-from agent.catalog.manifests import bundle_name
-from agent.config import Config, InFlight
+from agent.config import Config, Keywords
 from agent.counters import Counters
 from agent.data.epochs import Epochs
 from agent.ranks.base import MEET_SECONDS, Ranks, job_ranks
 from agent.restore.resume import Restorer, ResumeResult
-from agent.save.persist import PendingSave, Persister, SaveResult
-from agent.save.policy import Position, SavePolicy
-from agent.save.staging import StagingArea
-from agent.state import capture
+from agent.save.persist import Persister
+from agent.save.policy import Position
+from agent.save.result import PendingSave, SaveResult
+from agent.save.schedule import SaveSchedule
+from agent.save.staging import StagingArea, stage_layers
 from agent.state.objects import Generator, gather, replicated_layers
 from agent.stateful import Stateful
 from agent.summary import announce
 from ckpt.core.contract import RESTORE_ORDER, Layer
-from ckpt.core.errors import CkptError
 from ckpt.core.storage import ObjectStore, open_store
 
 __all__ = ["Checkpointer"]
@@ -69,10 +67,11 @@ class Checkpointer:
         extras: other stateful objects (an EMA...), saved with the weights.
         generators: ``torch.Generator``, ``numpy.random.Generator`` or ``RandomState``
             objects to capture with the global RNGs.
-        store, server, token, every_steps, every_seconds, blob_bytes, in_flight,
-            skip_unchanged, overlap, staging_bytes, grace_seconds, handle_signals,
-            heartbeat_seconds, quiet, rank_timeout_seconds: see ``Config``. ``store`` may
-            also be an ``ObjectStore``.
+        store: where bundles go (``CKPT_STORE``): a directory, ``s3://bucket/prefix``, or
+            an ``ObjectStore``.
+        **settings: ``server``, ``token``, ``every_steps``, ``every_seconds``, ``every``,
+            ``in_flight``, ``overlap``, ``grace_seconds``...: every field of ``Config``
+            (each also a ``CKPT_*`` variable), typed by ``Keywords``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
@@ -93,58 +92,10 @@ class Checkpointer:
         extras: Mapping[str, Stateful] | None = None,
         generators: Mapping[str, Generator] | None = None,
         store: str | ObjectStore | None = None,
-        server: str | None = None,
-        token: str | None = None,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        every: str | None = None,
-        auto_min_seconds: float | None = None,
-        auto_max_seconds: float | None = None,
-        mtbf_seconds: float | None = None,
-        blob_bytes: int | None = None,
-        in_flight: InFlight | str | None = None,
-        skip_unchanged: bool | None = None,
-        overlap: bool | None = None,
-        staging_bytes: int | None = None,
-        grace_seconds: float | None = None,
-        handle_signals: bool | None = None,
-        heartbeat_seconds: float | None = None,
-        quiet: bool | None = None,
-        rank_timeout_seconds: float | None = None,
-        notices: str | Iterable[str] | None = None,
-        notice_poll_seconds: float | None = None,
-        metadata_url: str | None = None,
+        **settings: Unpack[Keywords],
     ) -> None:
         store_url = store if store is None or isinstance(store, str) else store.url
-        self.config = Config.resolve(
-            {
-                "run": run,
-                "store": store_url,
-                "server": server,
-                "token": token,
-                "every_steps": every_steps,
-                "every_seconds": every_seconds,
-                "every": every,
-                "auto_min_seconds": auto_min_seconds,
-                "auto_max_seconds": auto_max_seconds,
-                "mtbf_seconds": mtbf_seconds,
-                "blob_bytes": blob_bytes,
-                "in_flight": in_flight,
-                "skip_unchanged": skip_unchanged,
-                "overlap": overlap,
-                "staging_bytes": staging_bytes,
-                "grace_seconds": grace_seconds,
-                "handle_signals": handle_signals,
-                "heartbeat_seconds": heartbeat_seconds,
-                "quiet": quiet,
-                "rank_timeout_seconds": rank_timeout_seconds,
-                "notices": notices
-                if notices is None or isinstance(notices, str)
-                else tuple(notices),
-                "notice_poll_seconds": notice_poll_seconds,
-                "metadata_url": metadata_url,
-            }
-        )
+        self.config = Config.resolve({**settings, "run": run, "store": store_url})
         self.store: ObjectStore = (
             open_store(self.config.store) if store is None or isinstance(store, str) else store
         )
@@ -156,9 +107,6 @@ class Checkpointer:
             scaler=scaler,
             extras=extras,
             generators=generators,
-        )
-        self.policy = SavePolicy(
-            every_steps=self.config.every_steps, every_seconds=self.config.every_seconds
         )
         self.ranks: Ranks = job_ranks(timeout=self.config.rank_timeout_seconds)
         self._wire()
@@ -174,12 +122,9 @@ class Checkpointer:
         )
         self._staging = StagingArea(budget=config.staging_bytes)
         self.time_spent = TimeAccount()  # where this attempt's time goes (goodput)
-        # Every optimizer step first waits until the last save no longer needs the tensors
-        # it changes (overlapped copies, tensors read in place over the budget).
-        self._step_hooks = [
-            optimizer.register_step_pre_hook(lambda *_: self._before_step())
-            for optimizer in self.objects.optimizers.values()
-        ]
+        self._step_hooks = self._staging.hold_steps(
+            self.objects.optimizers.values(), stalled=self.time_spent.stalled
+        )
         self._persister = Persister(
             run=config.run,
             store=self.store,
@@ -199,29 +144,17 @@ class Checkpointer:
             end=self._end,
             install=config.handle_signals,
         )
-        self._last_saved: Position | None = None
-        self._last_save_time = time.monotonic()
+        self._schedule = SaveSchedule(
+            config,
+            catalog=self._catalog,
+            ranks=self.ranks,
+            persister=self._persister,
+            preemption=self._preemption,
+            time_spent=self.time_spent,
+            step=lambda: self.counters.step,
+        )
         self._epochs = Epochs(self.objects.data, self.counters)
-        self._notices = NoticeWatch(
-            config.notices,
-            poll_seconds=config.notice_poll_seconds,
-            url=config.metadata_url,
-            on_notice=self._noticed,
-        )
-        if config.notices:
-            self._notices.start()
         self._catalog.account(lambda: self.time_spent.figures(self.counters.step))
-        self._auto = (
-            AutoInterval(
-                run=config.run,
-                low=config.auto_min_seconds,
-                high=config.auto_max_seconds,
-                mtbf_seconds=config.mtbf_seconds,
-                estimate=self._catalog.preemption_rate,
-            )
-            if config.every == "auto"
-            else None
-        )
 
     @property
     def counters(self) -> Counters:
@@ -278,40 +211,26 @@ class Checkpointer:
             ValueError: ``from_step`` names no complete bundle of that run.
         """
         self.wait()
-        chosen = {Layer(layer) for layer in layers}
-        wanted = tuple(layer for layer in RESTORE_ORDER if layer in chosen)
-        source, manifest, states = self._restorer.read_start(
-            self.config, from_run=from_run, from_step=from_step, wanted=wanted
+        result, own = self._restorer.restore(
+            self.config, layers=layers, from_run=from_run, from_step=from_step
         )
-        if manifest is None:
-            self.time_spent.ready(self.counters.step)
+        if result.step is not None:
+            # The loop continues from the restored position, where the run's own bundle is
+            # durable (when every layer came back).
+            self._schedule.saved(self._position())
+            self._epochs.restart()
+            if own:
+                self._catalog.own_step(result.step)
+            if own and result.layers == RESTORE_ORDER:
+                self._persister.resumed_at(self._position())
+            self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
             announce(
-                f"ckpt: run {source}: no resumable bundle in {self.store.url}; starting fresh",
+                f"ckpt: run {self.config.run}: resumed from {result.bundle} at "
+                f"{self._position()} (layers {', '.join(result.layers)})",
                 quiet=self.config.quiet,
             )
-            return ResumeResult(bundle=None, step=None, layers=())
-        capture.put_back(self.objects, states, bundle=bundle_name(manifest))
-        own = source == self.config.run
-        self._resumed_at(manifest.step, own=own, whole=wanted == RESTORE_ORDER)
-        self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
         self.time_spent.ready(self.counters.step)
-        announce(
-            f"ckpt: run {self.config.run}: resumed from {bundle_name(manifest)} at "
-            f"{self._position()} (layers {', '.join(wanted)})",
-            quiet=self.config.quiet,
-        )
-        return ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=wanted)
-
-    def _resumed_at(self, step: int, *, own: bool, whole: bool) -> None:
-        """The restored position is where the loop continues, and (the run's own bundle,
-        every layer) is durable."""
-        self._last_saved = self._position()
-        self._last_save_time = time.monotonic()
-        self._epochs.restart()
-        if own:
-            self._catalog.own_step(step)
-        if own and whole:
-            self._persister.resumed_at(self._position())
+        return result
 
     def batches(self) -> Iterator[Any]:
         """Iterate the rest of the current epoch of ``data``, then advance the epoch.
@@ -338,45 +257,9 @@ class Checkpointer:
         ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
         self.time_spent.ready(self.counters.step)  # when the loop did not resume() first
-        seconds = time.monotonic() - self._last_save_time
-        if self._auto is not None and self.rank == 0:  # rank 0 times auto saves for all
-            self.policy = SavePolicy(every_seconds=self._auto.current())
-        due = self.policy.due(self._position(), last=self._last_saved, seconds_since_last=seconds)
-        # Every rank decides alike: a signal that reached one rank, a save due by one
-        # rank's clock or a cloud's notice read on one rank's node, stop or save all of them
-        # at this same boundary.
-        stop, due, noticed = self.ranks.any_rank(
-            self._preemption.requested,
-            due,
-            self._notices.take() is not None,
-            timeout=MEET_SECONDS,
-        )
-        if stop:
-            self._preemption.act()
-        if noticed and self._position() != self._last_saved:
-            log.warning(
-                "run %s: saving at %s after a preemption notice", self.config.run, self._position()
-            )
-            due = True
-        if not due:
-            return None
-        waiting = time.perf_counter()
-        ready = self._persister.ready(
-            skip=self.config.in_flight is InFlight.SKIP and not noticed,
-            unreachable=self._catalog.unreachable,
-            due_at=self._position(),
-        )
-        self.time_spent.stalled(time.perf_counter() - waiting)  # for the save in flight
-        if not self.ranks.all_ok(ready, timeout=MEET_SECONDS):
+        if not self._schedule.due(self._position()):
             return None
         return self.save()
-
-    def _before_step(self) -> None:
-        """Before an optimizer step: wait until the last save no longer needs what it
-        changes (a stall too)."""
-        started = time.perf_counter()
-        self._staging.before_step()
-        self.time_spent.stalled(time.perf_counter() - started)
 
     def save(self) -> PendingSave:
         """Stage a bundle of the current state and persist it in the background.
@@ -415,7 +298,7 @@ class Checkpointer:
         )
         self._persister.check_one_bundle_per_step(position)
         self._catalog.check_step(step)
-        states, staged = capture.stage(
+        states, staged = stage_layers(
             self.objects,
             self._staging,
             skip_unchanged=self.config.skip_unchanged,
@@ -423,9 +306,8 @@ class Checkpointer:
         )
         try:
             self._catalog.own_step(step)
-            self._last_saved = position
-            self._last_save_time = time.monotonic()
             stall = time.perf_counter() - started
+            self._schedule.saved(position, stall=stall)
             pending = self._persister.submit(
                 states, staged, step=step, stall=stall, position=position
             )
@@ -433,9 +315,6 @@ class Checkpointer:
             staged.abandon()
             raise
         self.time_spent.stalled(stall)
-        if self._auto is not None:
-            self._auto.measured(stall)
-            self._catalog.interval(self._auto.seconds, self._auto.waste_seconds_per_hour())
         return pending
 
     def wait(self) -> SaveResult | None:
@@ -473,13 +352,6 @@ class Checkpointer:
         finally:
             self._end(reason, final_save_committed=final_save_committed, patience=None)
 
-    def _noticed(self, notice: Notice) -> None:
-        """A cloud's notice (on the watcher's thread): the attempt records it."""
-        try:
-            self._catalog.notice(notice, step=self.counters.step)
-        except CkptError as err:
-            log.warning("run %s: could not record the notice: %s", self.config.run, err)
-
     def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
         self._catalog.end(
             reason,
@@ -500,7 +372,7 @@ class Checkpointer:
         finally:
             for hook in self._step_hooks:
                 hook.remove()
-            self._notices.stop()
+            self._schedule.close()
             self._preemption.close()
             self._persister.close()
             self._catalog.close()

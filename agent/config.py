@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypedDict
 from urllib.parse import urlparse
 
 from agent.attempt.notices import CLOUDS
@@ -52,6 +53,33 @@ class InFlight(enum.StrEnum):
 
     WAIT = "wait"  # wait for it, then stage: every save requested is taken
     SKIP = "skip"  # return at once without saving: training never waits on the store
+
+
+class Keywords(TypedDict, total=False):
+    """The settings ``Checkpointer`` takes by keyword besides ``run`` and ``store``; each is
+    a field of ``Config`` (where they are described) and a ``CKPT_*`` variable. None: unset."""
+
+    server: str | None
+    token: str | None
+    every_steps: int | None
+    every_seconds: float | None
+    every: str | None
+    auto_min_seconds: float | None
+    auto_max_seconds: float | None
+    mtbf_seconds: float | None
+    blob_bytes: int | None
+    in_flight: InFlight | str | None
+    skip_unchanged: bool | None
+    overlap: bool | None
+    staging_bytes: int | None
+    grace_seconds: float | None
+    handle_signals: bool | None
+    heartbeat_seconds: float | None
+    quiet: bool | None
+    rank_timeout_seconds: float | None
+    notices: str | Iterable[str] | None
+    notice_poll_seconds: float | None
+    metadata_url: str | None
 
 
 @dataclass(frozen=True)
@@ -209,7 +237,14 @@ class Config:
     def resolve(
         cls, overrides: Mapping[str, object], env: Mapping[str, str] | None = None
     ) -> Config:
-        """Merge keyword ``overrides`` (None means unset) over ``CKPT_*`` variables."""
+        """Merge keyword ``overrides`` (None means unset) over ``CKPT_*`` variables.
+
+        Raises:
+            TypeError: an override that is no setting (a misspelt keyword).
+            ValueError: a value out of its range, saying which and why.
+        """
+        if unknown := sorted(overrides.keys() - Keywords.__optional_keys__ - {"run", "store"}):
+            raise TypeError(f"Checkpointer() got unexpected keyword arguments {unknown}")
         env = os.environ if env is None else env
         values: dict[str, object] = {}
         for name, variable in ENV.items():

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from agent.counters import Counters
     from agent.data.sampling import PerSampleRNG, ResumableSampler
     from agent.restore.resume import ResumeResult
-    from agent.save.persist import PendingSave, SaveResult
+    from agent.save.result import PendingSave, SaveResult
     from ckpt.core.contract import Layer
     from ckpt.core.errors import (
         BundleExistsError,
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "Checkpointer": "agent.checkpointer",
     "ResumeResult": "agent.restore.resume",
-    "SaveResult": "agent.save.persist",
-    "PendingSave": "agent.save.persist",
+    "SaveResult": "agent.save.result",
+    "PendingSave": "agent.save.result",
     "InFlight": "agent.config",
     "Counters": "agent.counters",
     "PerSampleRNG": "agent.data.sampling",

@@ -18,8 +18,9 @@ from typing import NoReturn, Protocol
 
 from agent.attempt.signals import SignalWatch
 from agent.ranks.base import Ranks
-from agent.save.persist import PendingSave, Persister
+from agent.save.persist import Persister
 from agent.save.policy import Position
+from agent.save.result import PendingSave
 from ckpt.core.errors import CkptError
 
 log = logging.getLogger("ckpt")

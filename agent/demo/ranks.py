@@ -40,7 +40,7 @@ from agent.demo.train import (
     parse_position,
     warmup_cosine,
 )
-from agent.save.persist import PendingSave
+from agent.save.result import PendingSave
 from ckpt.core.storage import open_store
 
 ACCUMULATION = 2

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from agent.checkpointer import Checkpointer
 from agent.data.sampling import PerSampleRNG, ResumableSampler
-from agent.save.persist import PendingSave
+from agent.save.result import PendingSave
 from ckpt.core.contract import Layer
 from ckpt.core.storage import ObjectStore, open_store
 

@@ -4,12 +4,13 @@ Every blob is downloaded in parallel and checked against its SHA-256, straight i
 live weights and optimizer state where they fit. A bundle with a blob that fails is set
 aside through the catalog (quarantined; store-only, skipped) and the one before it is
 tried, loudly; when every bundle fails, the resume raises rather than start from scratch.
-Putting the layers back into the objects, in order, is ``capture.put_back``.
+``restore`` then puts the layers back into the objects, in order (``state.capture``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +23,11 @@ from agent.format import skeleton
 from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.restore.download import read_layer
 from agent.state import layers
-from agent.state.capture import live_tensors
+from agent.state.capture import live_tensors, put_back
 from agent.state.objects import TrainingObjects
 from agent.state.sharded import merge
-from ckpt.core.contract import Layer, Manifest
+from agent.summary import announce
+from ckpt.core.contract import RESTORE_ORDER, Layer, Manifest
 from ckpt.core.errors import CkptError, CorruptBundleError, IncompatibleBundleError, RankError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
@@ -64,6 +66,35 @@ class Restorer:
     ) -> None:
         self._store, self._catalog, self._objects = store, catalog, objects
         self._ranks = ranks
+
+    def restore(
+        self,
+        config: Config,
+        *,
+        layers: Iterable[Layer | str],
+        from_run: str | None,
+        from_step: int | None,
+    ) -> tuple[ResumeResult, bool]:
+        """Read the bundle a resume starts from (``read_start``) and put its ``layers`` back
+        into the objects, in the fixed order; also whether it is the run's own bundle.
+
+        Raises:
+            See ``Checkpointer.resume``.
+        """
+        chosen = {Layer(layer) for layer in layers}
+        wanted = tuple(layer for layer in RESTORE_ORDER if layer in chosen)
+        source, manifest, states = self.read_start(
+            config, from_run=from_run, from_step=from_step, wanted=wanted
+        )
+        if manifest is None:
+            announce(
+                f"ckpt: run {source}: no resumable bundle in {self._store.url}; starting fresh",
+                quiet=config.quiet,
+            )
+            return ResumeResult(bundle=None, step=None, layers=()), False
+        put_back(self._objects, states, bundle=bundle_name(manifest))
+        result = ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=wanted)
+        return result, source == config.run
 
     def read_start(
         self,

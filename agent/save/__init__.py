@@ -1,7 +1,11 @@
-"""The save path, in order: when, stage (the stall), then persist in the background.
+"""The save path, in order: whether to save, stage (the stall), persist in the background.
 
-policy    when ``maybe_save`` saves: every N steps and/or every T seconds
-staging   reusable host buffers; the copy that is the whole stall
-persist   hash, upload, record, commit on one background thread
-upload    each layer's payload cut into blobs, hashed, stored unless held already
+    policy    ``Position``, and when a step boundary is due by steps or seconds
+    schedule  whether ``maybe_save`` saves now: the policy, notices, signals, the save in flight
+    staging   the layers captured and copied into reusable host buffers: the whole stall
+    unchanged which tensors still hold their last save's bytes (no copy, no hash)
+    snapshot  a staged save: its tensors, the copies left for later, the next step's wait
+    persist   hash, upload, record, commit on one background thread
+    upload    each layer's payload cut into blobs, hashed, stored unless held already
+    result    ``PendingSave`` (staged) and ``SaveResult`` (durable)
 """

@@ -14,13 +14,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from agent.catalog.base import Catalog, Upload
 from agent.catalog.manifests import bundle_name, bundle_name_at
 from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
-from agent.save.staging import Staged
+from agent.save.result import PendingSave, SaveResult
+from agent.save.snapshot import Staged
 from agent.save.upload import (
     BlobHashes,
     BlobSources,
@@ -33,103 +33,12 @@ from agent.save.upload import (
 )
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
-from ckpt.core.contract import Layer, LayerRecord, SaveFigures
+from ckpt.core.contract import Layer, LayerRecord
 from ckpt.core.errors import BundleExistsError, CkptError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
 
 log = logging.getLogger("ckpt")
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """What one save wrote and what it cost, once durable.
-
-    Attributes:
-        stall_seconds: how long the save held training up: ``save`` (staging, plus waiting
-            for the save before it when that one was still in flight) and
-            ``step_wait_seconds``.
-        step_wait_seconds: how long the next optimizer step waited for the copies left to
-            the background (overlap) and for the tensors read in place (staging budget).
-        persist_seconds: from the end of staging until the bundle was committed.
-        payload_bytes: the bundle's bytes (this rank); new_bytes: those uploaded, the rest
-            being blobs the store already held.
-        copied_bytes: tensor bytes staging copied (unchanged frozen tensors are not);
-            hashed_bytes: payload bytes hashed (the rest reused the last save's hashes).
-    """
-
-    bundle: str
-    step: int
-    payload_bytes: int
-    new_bytes: int
-    stall_seconds: float
-    persist_seconds: float
-    copied_bytes: int = 0
-    hashed_bytes: int = 0
-    step_wait_seconds: float = 0.0
-
-    @property
-    def throughput(self) -> float:
-        """Bundle bytes persisted per second."""
-        return self.payload_bytes / self.persist_seconds if self.persist_seconds else 0.0
-
-    @property
-    def dedup_ratio(self) -> float:
-        """The fraction of the bundle that was uploaded: 1.0 when nothing was in the store."""
-        return self.new_bytes / self.payload_bytes if self.payload_bytes else 0.0
-
-    @property
-    def figures(self) -> SaveFigures:
-        return SaveFigures(
-            stall_seconds=self.stall_seconds,
-            persist_seconds=self.persist_seconds,
-            payload_bytes=self.payload_bytes,
-            new_bytes=self.new_bytes,
-        )
-
-
-class PendingSave:
-    """A staged save; its persist (hash, upload, commit) runs in the background.
-
-    The save is *staged* when ``Checkpointer.save`` returns it: the state was copied, so
-    training may change it. It is *durable* once the bundle is committed: ``wait()``.
-    """
-
-    def __init__(
-        self, *, bundle: str, step: int, stall_seconds: float, future: Future[SaveResult]
-    ) -> None:
-        self.bundle = bundle
-        self.step = step
-        self.stall_seconds = stall_seconds
-        self.raised = False  # whether wait() already raised the persist's failure
-        self._future = future
-
-    @property
-    def durable(self) -> bool:
-        """Whether the bundle is committed (False while in flight or when the persist failed)."""
-        return self._future.done() and self._future.exception() is None
-
-    def done(self) -> bool:
-        """Whether the persist ended, committed or failed."""
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> SaveResult:
-        """Block until the bundle is durable.
-
-        Raises:
-            TimeoutError: still in flight after ``timeout`` seconds.
-            StoreError, ControlPlaneError, FencedError: the persist failed (see
-                ``Checkpointer.save``).
-        """
-        try:
-            return self._future.result(timeout)
-        except BaseException as err:
-            self.raised = self._future.done() and self._future.exception() is err
-            raise
-
-    def __repr__(self) -> str:
-        state = "durable" if self.durable else "done" if self.done() else "in flight"
-        return f"<PendingSave {self.bundle} {state}>"
 
 
 class Persister:

@@ -23,221 +23,48 @@ persist reads them in place, without a copy, and the next optimizer step waits u
 are written. That trades stall for memory; buffers never exceed the budget unless the
 tensors that must be copied at once do alone (said once, in the log).
 
-A tensor whose memory and version counter are unchanged since the previous stage, and whose
-sampled elements still equal its buffer's, still has its bytes in its buffer: it is not
-copied again, and the persist phase reuses the SHA-256 of its blobs. Fused and custom
-optimizer kernels update tensors without bumping the version counter, and so does batch
-norm to its running statistics; ``volatile`` says which tensors to copy every time, leaving
-the skip to frozen weights, the bulk of a LoRA-style run. Writes through ``.data`` bypass
-the counter too: the sample (``SAMPLES`` elements, at offsets that move with every save)
-catches a tensor rewritten as a whole (an EMA, ``.data.copy_``), not a change to a few
-elements; ``Checkpointer(skip_unchanged=False)`` turns the skip off.
+Which tensors need no copy because they did not change is ``unchanged``; the snapshot a
+save persists, and the wait it imposes on the next optimizer step, is ``snapshot.Staged``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
-from ckpt.core.errors import StateChangedError
+from agent.save.snapshot import Staged
+from agent.save.unchanged import Fingerprint, sample_equal
+from agent.state.capture import LayerState, capture, optimizer_memory, stable_memory
+from agent.state.objects import TrainingObjects
+from ckpt.core.contract import RESTORE_ORDER, Layer
 
 log = logging.getLogger("ckpt")
 
-SAMPLES = 4096
 
-
-@dataclass(frozen=True)
-class _Fingerprint:
-    """Where a tensor's bytes live and how often they were written in place."""
-
-    # Held, so that no other tensor can be allocated at this address while it is compared.
-    storage: torch.UntypedStorage
-    layout: tuple[object, ...]
-    version: int
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _Fingerprint | None:
-        if tensor.is_inference():  # inference tensors have no version counter
-            return None
-        return cls(
-            tensor.untyped_storage(),
-            (
-                tensor.device,
-                tensor.dtype,
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-                tensor.storage_offset(),
-                tensor.is_neg(),
-                tensor.is_conj(),
-            ),
-            tensor._version,
-        )
-
-    def same(self, other: _Fingerprint | None) -> bool:
-        return (
-            other is not None
-            and self.storage.data_ptr() == other.storage.data_ptr()
-            and self.layout == other.layout
-            and self.version == other.version
-        )
-
-
-class Staged:
-    """A staged snapshot: the tensors a persist reads, by name.
-
-    Most are host buffers holding a copy; ``held`` names live tensors read in place (over
-    the budget). Copies left for later (``overlap``) are made by ``finish``; the persist calls
-    it first and ``release`` once it has written every held tensor (or failed), and the next
-    optimizer step waits for both (``wait_for_step``).
-    """
-
-    def __init__(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        unchanged: frozenset[str],
-        copied_bytes: int,
-        deferred: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None,
-        events: list[torch.cuda.Event] | None = None,
-        held: frozenset[str] = frozenset(),
-    ) -> None:
-        self.tensors = tensors
-        self.unchanged = unchanged
-        self.held = held
-        self.copied_bytes = copied_bytes  # at once and deferred
-        self._deferred = deferred or []
-        self._events = events or []  # the side streams' copies (GPU): done when these are
-        watched = [(name, source) for name, source, _ in self._deferred]
-        watched += [(name, tensors[name]) for name in held]
-        self._versions = {name: (t, _version(t)) for name, t in watched}
-        self._lock = threading.Lock()
-        self._taken = 0  # deferred copies started, by the persist thread or a waiting step
-        self._left = len(self._deferred)  # deferred copies not done yet
-        self._copied = threading.Event()
-        self._released = threading.Event()
-        self._error: BaseException | None = None
-        if not self._deferred:
-            self._copied.set()
-        if not held:
-            self._released.set()
-        self._ready_at: float | None = None if self.waits else time.perf_counter()
-        self._blocked_since: float | None = None
-        self.failed = False
-
-    @property
-    def waits(self) -> bool:
-        """Whether the next optimizer step may have to wait for this save."""
-        return bool(self._deferred or self.held)
-
-    @property
-    def released(self) -> bool:
-        return self._released.is_set()
-
-    def finish(self) -> None:
-        """Make the deferred copies. The persist thread and a waiting optimizer step share
-        them, tensor by tensor; each returns once all are made.
-
-        Raises:
-            StateChangedError: a tensor was written in place before it was copied.
-        """
-        if self._events:
-            with self._lock:
-                if not self._copied.is_set():
-                    for event in self._events:
-                        event.synchronize()
-                    self._done_copying()
-        else:
-            while (item := self._take()) is not None:
-                _, source, buffer = item
-                try:
-                    buffer.copy_(source)
-                except BaseException as err:
-                    self._error = err
-                    raise
-                finally:
-                    with self._lock:
-                        self._left -= 1
-                        if self._left == 0:
-                            self._done_copying()
-            self._copied.wait()
-        if self._error is not None:
-            raise self._error
-
-    def _take(self) -> tuple[str, torch.Tensor, torch.Tensor] | None:
-        with self._lock:
-            if self._taken == len(self._deferred):
-                return None
-            self._taken += 1
-            return self._deferred[self._taken - 1]
-
-    def _done_copying(self) -> None:
-        """Under the lock: every deferred copy is made; were their tensors left alone?"""
-        self._error = self._error or self._changed([name for name, _, _ in self._deferred])
-        self._copied.set()
-        if self._released.is_set():
-            self._ready_at = time.perf_counter()
-
-    def release(self, *, check: bool = True) -> None:
-        """The persist has read every held tensor (or gave up): training may step.
-
-        Raises:
-            StateChangedError: (``check``) a held tensor was written in place meanwhile.
-        """
-        if self._released.is_set():
-            return
-        error = self._changed(sorted(self.held)) if check else None
-        if self._copied.is_set():
-            self._ready_at = time.perf_counter()
-        self._released.set()
-        if error is not None:
-            raise error
-
-    def abandon(self) -> None:
-        """The save will not be persisted: copy nothing more and let training step."""
-        self.failed = True
-        with self._lock:
-            self._taken = self._left = 0
-            self._deferred = []
-            self._copied.set()
-        self.release(check=False)
-
-    def wait_for_step(self) -> None:
-        """Block an optimizer step until nothing of this save needs the live tensors,
-        making deferred copies meanwhile."""
-        if self._released.is_set() and self._copied.is_set():
-            return
-        self._blocked_since = time.perf_counter()
-        with contextlib.suppress(StateChangedError):  # the save's failure, from its persist
-            self.finish()
-        self._released.wait()
-
-    @property
-    def step_wait_seconds(self) -> float:
-        """How long an optimizer step waited for this save (so far)."""
-        if self._blocked_since is None:
-            return 0.0
-        ready = self._ready_at if self._ready_at is not None else time.perf_counter()
-        return max(0.0, ready - self._blocked_since)
-
-    def _changed(self, names: list[str]) -> StateChangedError | None:
-        changed = [n for n in names if _version(self._versions[n][0]) != self._versions[n][1]]
-        if not changed:
-            return None
-        self.failed = True
-        return StateChangedError(
-            f"{len(changed)} tensor(s) changed in place after save() and before the next "
-            f"optimizer step, while the save still needed them ({', '.join(changed[:3])}"
-            f"{', ...' if len(changed) > 3 else ''}); this save is not kept. Write "
-            f"parameters and optimizer state only in the optimizer's step, or turn "
-            f"overlap off (Checkpointer(overlap=False), CKPT_OVERLAP=0)"
-        )
+def stage_layers(
+    objects: TrainingObjects, staging: StagingArea, *, skip_unchanged: bool, overlap: bool
+) -> tuple[dict[Layer, LayerState], Staged]:
+    """Capture the six layers and copy their tensors into the staging buffers (with
+    ``overlap``, the optimizers' tensors later)."""
+    captured = capture(objects)
+    stable = stable_memory(objects) if skip_unchanged else set()
+    stepped = optimizer_memory(objects)
+    staged = staging.stage(
+        {name: tensor for _, tensors in captured.values() for name, tensor in tensors.items()},
+        volatile=lambda t: t.untyped_storage().data_ptr() not in stable,
+        deferrable=lambda t: t.untyped_storage().data_ptr() in stepped,
+        overlap=overlap,
+    )
+    states = {
+        layer: LayerState(captured[layer][0], {n: staged.tensors[n] for n in captured[layer][1]})
+        for layer in RESTORE_ORDER
+    }
+    return states, staged
 
 
 class StagingArea:
@@ -249,7 +76,7 @@ class StagingArea:
     def __init__(self, *, budget: int | None = None) -> None:
         self.budget = budget
         self._buffers: dict[str, torch.Tensor] = {}
-        self._fingerprints: dict[str, _Fingerprint] = {}
+        self._fingerprints: dict[str, Fingerprint] = {}
         self._rounds = itertools.count()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._last: Staged | None = None
@@ -258,6 +85,21 @@ class StagingArea:
     @property
     def nbytes(self) -> int:
         return sum(buffer.nbytes for buffer in self._buffers.values())
+
+    def hold_steps(
+        self, optimizers: Iterable[torch.optim.Optimizer], *, stalled: Callable[[float], None]
+    ) -> list[RemovableHandle]:
+        """Make every step of ``optimizers`` first wait (``before_step``) until the last save
+        no longer needs the tensors it changes: the overlapped copies, the tensors read in
+        place over the budget. ``stalled`` is told how long each step waited; the hooks'
+        handles remove them."""
+
+        def hook(*_: object) -> None:
+            started = time.perf_counter()
+            self.before_step()
+            stalled(time.perf_counter() - started)
+
+        return [optimizer.register_step_pre_hook(hook) for optimizer in optimizers]
 
     def before_step(self) -> None:
         """An optimizer is about to step: wait until the last save no longer needs the
@@ -353,11 +195,11 @@ class StagingArea:
                 staged[name] = source
                 continue
             buffer = staged[name] = self._buffer(name, source)
-            fingerprint = None if volatile(source) else _Fingerprint.of(source)
+            fingerprint = None if volatile(source) else Fingerprint.of(source)
             if (
                 fingerprint is not None
                 and fingerprint.same(self._fingerprints.get(name))
-                and _sample_equal(source, buffer, offset=offset)
+                and sample_equal(source, buffer, offset=offset)
             ):
                 unchanged.add(name)
                 continue
@@ -416,34 +258,3 @@ class StagingArea:
             )
             self._buffers[name] = buffer
         return buffer
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter (None: an inference tensor has none)."""
-    return None if tensor.is_inference() else tensor._version
-
-
-def _sample_equal(source: torch.Tensor, buffer: torch.Tensor, *, offset: int) -> bool:
-    """Whether ``SAMPLES`` evenly spread elements of ``source`` (from a moving offset) hold
-    the same bits as in ``buffer``. Only contiguous tensors are sampled; others count as
-    changed."""
-    if not source.is_contiguous():
-        return False
-    count = source.numel()
-    if count <= SAMPLES:
-        return bool(torch.equal(_bits(source).cpu(), _bits(buffer)))
-    stride = count // SAMPLES
-    picks = torch.arange(offset % stride, count, stride, device=source.device)[:SAMPLES]
-    return bool(
-        torch.equal(_bits(source).reshape(-1)[picks].cpu(), _bits(buffer).reshape(-1)[picks.cpu()])
-    )
-
-
-_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The elements as integers of their width, so that equality is bitwise (NaN equals
-    NaN, -0.0 is not 0.0)."""
-    flat = tensor.reshape(-1)
-    return flat.view(_INTEGERS.get(flat.element_size(), torch.uint8))

@@ -1,8 +1,8 @@
-"""The six layers in and out of the training objects: capture and stage for a save, put
-back in the fixed order for a restore.
+"""The six layers in and out of the training objects: captured for a save (the rng layer
+first), put back in the fixed order for a restore.
 
-``layers`` knows each layer; this module runs them in order and hands the tensors to the
-staging buffers (``staging``), which is the whole stall of a save.
+``layers`` knows each layer; this module runs them in order. A save hands the captured
+tensors to the staging buffers (``save.staging``), which is the whole stall.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from agent.format import skeleton
 from agent.format.skeleton import JSON
-from agent.save.staging import Staged, StagingArea
 from agent.state import layers
 from agent.state.objects import TrainingObjects
 from ckpt.core.contract import RESTORE_ORDER, Layer
@@ -48,33 +47,13 @@ class LayerState:
     tensors: dict[str, torch.Tensor]
 
 
-def stage(
-    objects: TrainingObjects, staging: StagingArea, *, skip_unchanged: bool, overlap: bool
-) -> tuple[dict[Layer, LayerState], Staged]:
-    """Capture the six layers and copy their tensors into the staging buffers (with
-    ``overlap``, the optimizers' tensors later: ``staging``)."""
-    skeletons = {}
-    tensors: dict[str, torch.Tensor] = {}
-    names: dict[Layer, list[str]] = {}
-    for layer in CAPTURE_ORDER:
-        skeletons[layer], layer_tensors = skeleton.encode(
-            CAPTURE[layer](objects), root=(str(layer),)
-        )
-        tensors.update(layer_tensors)
-        names[layer] = list(layer_tensors)
-    stable = stable_memory(objects) if skip_unchanged else set()
-    stepped = optimizer_memory(objects)
-    staged = staging.stage(
-        tensors,
-        volatile=lambda t: t.untyped_storage().data_ptr() not in stable,
-        deferrable=lambda t: t.untyped_storage().data_ptr() in stepped,
-        overlap=overlap,
-    )
-    states = {
-        layer: LayerState(skeletons[layer], {n: staged.tensors[n] for n in names[layer]})
-        for layer in RESTORE_ORDER
+def capture(objects: TrainingObjects) -> dict[Layer, tuple[JSON, dict[str, torch.Tensor]]]:
+    """The six layers out of the objects, the rng layer first: each a JSON skeleton and its
+    tensors by name, live (``save.staging`` copies them before training goes on)."""
+    return {
+        layer: skeleton.encode(CAPTURE[layer](objects), root=(str(layer),))
+        for layer in CAPTURE_ORDER
     }
-    return states, staged
 
 
 def stable_memory(objects: TrainingObjects) -> set[int]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agent.config import DEFAULT_STORE, Config
+from agent.config import DEFAULT_STORE, ENV, Config, Keywords
 from agent.counters import Counters
 from agent.format.chunking import DEFAULT_BLOB_BYTES
 from agent.save.policy import Position, SavePolicy
@@ -26,6 +26,18 @@ def test_defaults() -> None:
     assert config.store == DEFAULT_STORE
     assert config.blob_bytes == DEFAULT_BLOB_BYTES
     assert (config.server, config.token, config.every_steps, config.every_seconds) == (None,) * 4
+
+
+def test_every_keyword_is_a_setting_of_the_environment_and_of_the_config() -> None:
+    keywords = Keywords.__optional_keys__ | {"run", "store"}
+    # from_run and from_step are resume()'s arguments; only their variables reach Config.
+    assert keywords == ENV.keys() - {"from_run", "from_step"}
+    assert keywords < Config.__dataclass_fields__.keys()
+
+
+def test_a_misspelt_keyword_is_refused_not_ignored() -> None:
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['every_step'\]"):
+        Config.resolve({"run": "r", "every_step": 10}, env={})
 
 
 def test_environment_fills_what_keywords_leave_unset() -> None:

@@ -181,6 +181,9 @@ def test_every_python_block_compiles_and_those_that_only_import_run() -> None:
 
 
 def test_the_documented_checkpointer_signature_is_the_real_one() -> None:
+    """The objects and the store by name, then every setting (``**settings``, typed by
+    ``Keywords``), each defaulting to None."""
+    from agent.config import Keywords
     from ckpt import Checkpointer
 
     (text,) = [b for b in blocks(pages()["python-api.md"], "") if b.startswith("Checkpointer(")]
@@ -189,9 +192,12 @@ def test_the_documented_checkpointer_signature_is_the_real_one() -> None:
     parameters = documented.args
     names = [arg.arg for arg in parameters.kwonlyargs]
     defaults = [None if d is None else ast.literal_eval(d) for d in parameters.kw_defaults]
-    real = list(inspect.signature(Checkpointer).parameters.values())
-    assert names == [p.name for p in real]
-    assert defaults == [None if p.default is inspect.Parameter.empty else p.default for p in real]
+    *real, settings = inspect.signature(Checkpointer).parameters.values()
+    assert settings.kind is inspect.Parameter.VAR_KEYWORD
+    assert names == [p.name for p in real] + list(Keywords.__annotations__)
+    assert defaults == [
+        None if p.default is inspect.Parameter.empty else p.default for p in real
+    ] + [None] * len(Keywords.__annotations__)
     required = [name for name, d in zip(names, parameters.kw_defaults, strict=True) if d is None]
     assert required == [p.name for p in real if p.default is inspect.Parameter.empty]
 
