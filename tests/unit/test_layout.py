@@ -1,0 +1,74 @@
+"""The repository's layout as the project was specified: what its root holds, the README's
+line that names it, and modules small enough to read in one sitting."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The top level the project was specified with.
+SPECIFIED = {
+    "pyproject.toml",
+    "README.md",
+    "agent",
+    "service",
+    "migrations",
+    "deploy",
+    "tests",
+    "docker-compose.yml",
+}
+# Beside it: the public names, the command and the shared layer; benchmarks; the docs site;
+# Alembic's CLI configuration; CI; what git and docker leave out.
+BESIDE = {
+    "ckpt",
+    "bench",
+    "docs",
+    "mkdocs.yml",
+    "alembic.ini",
+    ".ci",
+    ".gitignore",
+    ".dockerignore",
+}
+PACKAGES = ("ckpt", "agent", "service", "migrations")
+MAX_LINES = 400
+
+
+@cache
+def root_entries() -> frozenset[str]:
+    """The root's entries that git tracks (not a virtual environment, a catalog, caches)."""
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: the tracked entries are unknown")
+    return frozenset(name.split("/")[0] for name in listed.stdout.splitlines())
+
+
+def test_the_root_holds_the_specified_top_level_and_nothing_unexplained() -> None:
+    assert root_entries() >= SPECIFIED
+    assert root_entries() == SPECIFIED | BESIDE
+
+
+def test_the_readme_names_every_folder_of_the_root() -> None:
+    readme = (ROOT / "README.md").read_text()
+    line = next(p for p in readme.split("\n\n") if p.startswith("The repository:"))
+    folders = {name for name in root_entries() if (ROOT / name).is_dir() and name[0] != "."}
+    assert set(re.findall(r"`([\w.-]+)/`", line)) == folders
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_is_over_400_lines(package: str) -> None:
+    modules = list((ROOT / package).rglob("*.py"))
+    assert modules
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in modules
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split these by responsibility: {long}"
