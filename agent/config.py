@@ -106,7 +106,7 @@ class Config:
         in_flight: ``wait`` (default) or ``skip``: what a save does while the previous one
             is still persisting (``CKPT_IN_FLIGHT``).
         skip_unchanged: neither copy nor hash again a frozen parameter that did not change
-            (``CKPT_SKIP_UNCHANGED``, default true; see ``agent.save.staging``).
+            (``CKPT_SKIP_UNCHANGED``, default true; see ``agent.save.unchanged``).
         overlap: copy parameters and optimizer state in the background while the loop runs
             forward and backward; the next optimizer step waits for what is not copied yet
             (``CKPT_OVERLAP``, default true; see ``agent.save.staging``).

@@ -6,7 +6,7 @@ hold it back past the grace period, which is how "check a flag at step boundarie
 end up never saving in time. So the C-level wakeup fd (``signal.set_wakeup_fd``) also
 wakes a watcher thread at once; the watcher notes the signal and arms a deadline. The
 training loop acts on the signal at its next step boundary (``Checkpointer.maybe_save``,
-through ``preemption``); if it has not by the deadline, the deadline action ends the
+through ``grace``); if it has not by the deadline, the deadline action ends the
 process itself.
 
 A process the agent ends after a signal exits with ``128 + signal`` — ``EXIT_PREEMPTED``
