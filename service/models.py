@@ -129,7 +129,7 @@ TRAINING = "training"  # its newest attempt has not ended
 class RunActivity(Base):
     """A run's state and last activity, as of its newest attempt (``new`` and its creation
     before any), and the figures of its attempts: what the runs page sorts, filters and
-    shows, kept by every write to attempts (``runs.repository.refresh_activity``) so that a
+    shows, kept by every write to attempts (``runs.activity.refresh_activity``) so that a
     page of runs is a range of an index, not the newest attempt of every run, and a run of
     a thousand attempts costs no more to show than a run of one. A table of its own:
     heartbeats share-lock the run row, so writing it there would deadlock a heartbeat and an

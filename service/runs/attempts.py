@@ -17,6 +17,7 @@ from service.errors import ConflictError, FencedError, InvalidRequestError, NotF
 from service.metrics import Metrics
 from service.models import Attempt, Bundle, EndReason, Run, utcnow
 from service.runs import repository
+from service.runs.activity import refresh_activity
 from service.runs.schemas import (
     AttemptCreate,
     AttemptEnd,
@@ -51,7 +52,7 @@ def register_attempt(
             pool=request.pool,
             resumed_from_id=start.id if start else None,
         )
-        repository.refresh_activity(session, run_ids=[run.id])
+        refresh_activity(session, run_ids=[run.id])
         context.metrics.attempts.inc()
         if previous is not None:  # an ended predecessor's steps lost are known now
             _count_steps_lost(
@@ -95,7 +96,7 @@ def heartbeat(
             session, attempt_id=attempt.id, silent_since=silent_since
         ):  # it was alive after all (a partition), every rank of it
             attempt.ended_at = attempt.end_reason = None
-        repository.refresh_activity(session, run_ids=[run.id], settle=False)
+        refresh_activity(session, run_ids=[run.id], settle=False)
         # Not fenced, so no successor has registered: nothing is lost yet.
         return attempt_out(attempt, run, steps_lost=None)
 
@@ -123,7 +124,7 @@ def end_attempt(
         if end.step is not None:
             attempt.last_step = end.step
         after = _steps_lost(session, attempt)
-        repository.refresh_activity(session, run_ids=[run.id])
+        refresh_activity(session, run_ids=[run.id])
         _count_steps_lost(context.metrics, attempt, before=before, after=after)
         return attempt_out(attempt, run, steps_lost=after)
 

@@ -1,31 +1,20 @@
+"""The runs' SQL: runs, their attempts (and each rank's heartbeats), their lineage and
+rollbacks. The table ``run_activity`` is kept by ``activity.py``; what the API shows of runs
+beyond their rows is read by ``figures.py``."""
+
 from __future__ import annotations
 
 import functools
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
-from sqlalchemy import (
-    CTE,
-    BindParameter,
-    ColumnElement,
-    Select,
-    and_,
-    bindparam,
-    case,
-    func,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import CTE, BindParameter, and_, bindparam, func, or_, select
 from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session, aliased
 
 from service.lineage import AttemptNode
 from service.models import (
-    NEW,
-    TRAINING,
     Attempt,
     AttemptRank,
     Bundle,
@@ -33,9 +22,9 @@ from service.models import (
     EndReason,
     Rollback,
     Run,
-    RunActivity,
     utcnow,
 )
+from service.runs.activity import refresh_activity
 from service.sql import Lock, insert, locked
 
 
@@ -65,134 +54,6 @@ def ensure_run(
     if created:
         refresh_activity(session, run_ids=[run.id])
     return run, created
-
-
-def refresh_activity(session: Session, *, run_ids: Iterable[int], settle: bool = True) -> None:
-    """Bring the runs' ``run_activity`` rows up to date with their attempts (creating them if
-    absent): every write to attempts calls it, in its own transaction.
-
-    ``settle`` sums the figures of all the run's attempts again, and counts its bundles (a
-    registration, an end, an attempt marked lost: once per attempt or so); without it (a
-    heartbeat of the newest attempt) only the newest attempt's own part changes, in
-    constant time.
-    """
-    for run_id in sorted(set(run_ids)):
-        newest = session.execute(_newest_attempt(run_id)).first()
-        if newest is None:
-            created = session.scalar(select(Run.created_at).where(Run.id == run_id))
-            bundles = _count_bundles(session, run_id)
-            _upsert_activity(
-                session, run_id, state=NEW, active_at=created, bundles=bundles, **NO_FIGURES
-            )
-            continue
-        ended_at, reason, heartbeat_at, started_at, last_step, start = newest
-        state = TRAINING if ended_at is None else reason
-        active_at = ended_at or heartbeat_at or started_at
-        own = max(0, (last_step if last_step is not None else start) - start)
-        if settle:
-            attempts, preemptions, lost, earlier = session.execute(
-                _settled_figures(), {"run_id": run_id}
-            ).one()
-            figures = {
-                "bundles": _count_bundles(session, run_id),
-                "attempts": attempts,
-                "preemptions": int(preemptions or 0),
-                "steps_lost": int(lost or 0),
-                "earlier_steps_computed": int(earlier or 0),
-                "steps_computed": int(earlier or 0) + own,
-            }
-            _upsert_activity(session, run_id, state=state, active_at=active_at, **figures)
-        else:
-            session.execute(
-                update(RunActivity)
-                .where(RunActivity.run_id == run_id)
-                .values(
-                    state=state,
-                    active_at=active_at,
-                    steps_computed=RunActivity.earlier_steps_computed + own,
-                    writes=RunActivity.writes + 1,
-                )
-            )
-
-
-NO_FIGURES = {
-    "attempts": 0,
-    "preemptions": 0,
-    "steps_lost": 0,
-    "steps_computed": 0,
-    "earlier_steps_computed": 0,
-}
-
-
-def _count_bundles(session: Session, run_id: int) -> int:
-    return session.scalar(select(func.count()).where(Bundle.run_id == run_id)) or 0
-
-
-def _upsert_activity(session: Session, run_id: int, **values: Any) -> None:
-    statement = insert(session, RunActivity).values(run_id=run_id, writes=1, **values)
-    changed = {name: statement.excluded[name] for name in values}
-    session.execute(
-        statement.on_conflict_do_update(
-            index_elements=["run_id"], set_={**changed, "writes": RunActivity.writes + 1}
-        )
-    )
-
-
-def _newest_attempt(run_id: int) -> Select[*tuple[Any, ...]]:
-    """The run's newest attempt: its end, activity, last step and the step it started at."""
-    return (
-        select(
-            Attempt.ended_at,
-            Attempt.end_reason,
-            Attempt.heartbeat_at,
-            Attempt.started_at,
-            Attempt.last_step,
-            func.coalesce(Bundle.step, 0),
-        )
-        .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
-        .where(Attempt.run_id == run_id)
-        .order_by(Attempt.epoch.desc())
-        .limit(1)
-    )
-
-
-@functools.cache
-def _settled_figures() -> Select[*tuple[Any, ...]]:
-    """A run's attempts, preemptions, steps lost (``lineage.steps_lost``: each attempt next
-    to its successor) and the steps every attempt but the newest computed."""
-    resumed = aliased(Bundle, name="resumed")
-    per_attempt = (
-        select(
-            Attempt.end_reason,
-            Attempt.last_step,
-            func.coalesce(resumed.step, 0).label("start"),
-            func.lead(func.coalesce(resumed.step, 0))
-            .over(partition_by=Attempt.run_id, order_by=Attempt.epoch)
-            .label("next_start"),
-            func.lead(Attempt.epoch)
-            .over(partition_by=Attempt.run_id, order_by=Attempt.epoch)
-            .label("next_epoch"),
-        )
-        .outerjoin(resumed, resumed.id == Attempt.resumed_from_id)
-        .where(Attempt.run_id == bindparam("run_id"))
-        .subquery("per_attempt")
-    )
-    a = per_attempt.c
-    ended_short = and_(
-        a.end_reason.is_not(None),
-        a.end_reason != EndReason.FINISHED,
-        a.last_step.is_not(None),
-        a.next_epoch.is_not(None),
-    )
-    lost = case((ended_short, _positive(a.last_step - a.next_start)), else_=0)
-    computed = _positive(func.coalesce(a.last_step, a.start) - a.start)
-    earlier = case((a.next_epoch.is_not(None), computed), else_=0)
-    preempted = case((a.end_reason == EndReason.PREEMPTED, 1), else_=0)
-    return select(func.count(), func.sum(preempted), func.sum(lost), func.sum(earlier))
-
-
-def _positive(value: ColumnElement[Any]) -> ColumnElement[Any]:
-    return case((value > 0, value), else_=0)
 
 
 def page_runs(session: Session, *, after: str | None, limit: int, prefix: str | None) -> list[Run]:
@@ -239,61 +100,6 @@ def resumable_walk() -> CTE:
             and_(parent.id == start.c.parent_id, start.c.status != BundleStatus.COMPLETE),
         )
     )
-
-
-def run_figures(session: Session, *, run_ids: Collection[int]) -> dict[int, RunFigures]:
-    """What the API shows of these runs beyond their own row, in four queries however many
-    runs: the head, the bundle each resumes from, the bundles by status, the steps lost."""
-    ids = {"run_ids": sorted(set(run_ids))}
-    found = {run_id: RunFigures() for run_id in ids["run_ids"]}
-    if not found:
-        return found
-    heads = session.execute(
-        select(Run.id, Bundle.id, Bundle.step, Bundle.status)
-        .join(Bundle, Bundle.id == Run.head_bundle_id)
-        .where(Run.id.in_(RUN_IDS)),
-        ids,
-    )
-    for run_id, bundle_id, step, status in heads:
-        found[run_id].head = BundleRefRow(bundle_id, step, status)
-    walk = resumable_walk()
-    resumable = session.execute(
-        select(walk.c.run_id, walk.c.id, walk.c.step, walk.c.status).where(
-            walk.c.status == BundleStatus.COMPLETE
-        ),
-        ids,
-    )
-    for run_id, bundle_id, step, status in resumable:
-        found[run_id].resumable = BundleRefRow(bundle_id, step, status)
-    counts = session.execute(
-        select(Bundle.run_id, Bundle.status, func.count())
-        .where(Bundle.run_id.in_(RUN_IDS))
-        .group_by(Bundle.run_id, Bundle.status),
-        ids,
-    )
-    for run_id, status, count in counts:
-        found[run_id].bundles[status] = count
-    lost = session.execute(
-        select(RunActivity.run_id, RunActivity.steps_lost).where(RunActivity.run_id.in_(RUN_IDS)),
-        ids,
-    )
-    for run_id, steps in lost:
-        found[run_id].steps_lost = steps
-    return found
-
-
-class BundleRefRow(NamedTuple):
-    id: int
-    step: int
-    status: str
-
-
-@dataclass
-class RunFigures:
-    head: BundleRefRow | None = None
-    resumable: BundleRefRow | None = None
-    bundles: dict[str, int] = field(default_factory=dict)  # by status
-    steps_lost: int = 0
 
 
 def add_attempt(

@@ -20,6 +20,7 @@ from service.errors import ConflictError, NotFoundError
 from service.lineage import AttemptNode, Node
 from service.models import Attempt, Bundle, BundleStatus, Role, Rollback, Run
 from service.runs import repository
+from service.runs.figures import RunFigures, run_figures
 from service.runs.schemas import (
     AttemptOut,
     BundleRef,
@@ -283,11 +284,11 @@ def run_out(session: Session, run: Run) -> RunOut:
 def run_outs(session: Session, runs: Sequence[Run]) -> list[RunOut]:
     """The runs as the API shows them: a constant number of queries however many (a page
     of runs costs what one run does)."""
-    figures = repository.run_figures(session, run_ids=[run.id for run in runs])
+    figures = run_figures(session, run_ids=[run.id for run in runs])
     return [_run_out(run, figures[run.id]) for run in runs]
 
 
-def _run_out(run: Run, figures: repository.RunFigures) -> RunOut:
+def _run_out(run: Run, figures: RunFigures) -> RunOut:
     head, start = figures.head, figures.resumable
     return RunOut(
         name=run.name,

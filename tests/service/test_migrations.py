@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from service.db import alembic_config, make_engine, schema_revision, upgrade
 from service.models import Base
-from service.runs.repository import refresh_activity
+from service.runs.activity import refresh_activity
 from tests.service.conftest import create_pg_database, drop_pg_database
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)

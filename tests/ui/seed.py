@@ -153,7 +153,7 @@ def add_run(
 
 
 def _activity(rows: Rows, *, run_id: int, state: str, attempts: int) -> dict[str, Any]:
-    """The run's row of ``run_activity``, as ``runs.repository.refresh_activity`` keeps it."""
+    """The run's row of ``run_activity``, as ``runs.activity.refresh_activity`` keeps it."""
     found = rows.tables["attempt"][-attempts:]
     bundles = rows.tables["bundle"]
 

@@ -16,7 +16,7 @@ import pytest
 from ckpt.core.contract import Layer
 from service import completeness
 from service.models import Attempt, Bundle, Run, utcnow
-from service.runs.repository import refresh_activity
+from service.runs.activity import refresh_activity
 from service.scrub.service import scrub
 from service.ui import window
 from service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.db import make_engine, upgrade
 from service.models import RunActivity
-from service.runs.repository import refresh_activity
+from service.runs.activity import refresh_activity
 from tests.service.conftest import create_pg_database, drop_pg_database
 from tests.ui.plans import page_plans
 from tests.ui.seed import Shape, seed

@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 from ckpt.core.storage import DirectoryStore
 from service.db import make_engine
 from service.models import Attempt, Run
-from service.runs.repository import refresh_activity
+from service.runs.activity import refresh_activity
 from tests.server_process import ServerProcess, ckpt_server
 from tests.service.helpers import register, save
 from tests.ui.conftest import CSP, OpenPage, Watch, poll, sign_in
