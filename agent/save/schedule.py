@@ -47,7 +47,7 @@ class SaveSchedule:
         self._run, self._skip = config.run, config.in_flight is InFlight.SKIP
         self._catalog, self._ranks, self._persister = catalog, ranks, persister
         self._preemption, self._time_spent, self._step = preemption, time_spent, step
-        self._auto = (
+        self.auto = (  # every="auto"'s interval, re-sized as saves are measured
             AutoInterval(
                 run=config.run,
                 low=config.auto_min_seconds,
@@ -70,8 +70,8 @@ class SaveSchedule:
     def due(self, position: Position) -> bool:
         """Whether every rank saves at ``position`` now; after a stop signal, the process ends
         here instead (``Preemption.act``)."""
-        if self._auto is not None and self._ranks.rank == 0:  # rank 0 times auto saves for all
-            self.policy = SavePolicy(every_seconds=self._auto.current())
+        if self.auto is not None and self._ranks.rank == 0:  # rank 0 times auto saves for all
+            self.policy = SavePolicy(every_seconds=self.auto.current())
         seconds = time.monotonic() - self._last_time
         due = self.policy.due(position, last=self.last, seconds_since_last=seconds)
         stop, due, noticed = self._ranks.any_rank(
@@ -101,9 +101,9 @@ class SaveSchedule:
         from it: the next interval starts now."""
         self.last = position
         self._last_time = time.monotonic()
-        if stall is not None and self._auto is not None:
-            self._auto.measured(stall)
-            self._catalog.interval(self._auto.seconds, self._auto.waste_seconds_per_hour())
+        if stall is not None and self.auto is not None:
+            self.auto.measured(stall)
+            self._catalog.interval(self.auto.seconds, self.auto.waste_seconds_per_hour())
 
     def close(self) -> None:
         self._notices.stop()

@@ -59,7 +59,7 @@ def test_auto_sizes_the_interval_by_the_servers_estimate_and_reports_it(tmp_path
                 ckpt.counters.step = step
                 saved = ckpt.maybe_save()
             saved.wait()
-            auto = ckpt._auto
+            auto = ckpt._schedule.auto
             assert auto is not None and auto.cost_seconds is not None
             # The server's estimate: no history yet, so its prior.
             assert auto.mtbf_seconds == pytest.approx(PRIOR, rel=0.01)
