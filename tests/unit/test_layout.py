@@ -1,10 +1,13 @@
 """The repository's layout as the project was specified: what its root holds, the README's
-line that names it, and modules small enough to read in one sitting."""
+line that names it, modules small enough to read in one sitting, and what an import of the
+old layout, or a file that hides one of our packages, is told."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -72,3 +75,39 @@ def test_no_module_is_over_400_lines(package: str) -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"split these by responsibility: {long}"
+
+
+@pytest.mark.parametrize(
+    ("old", "package"),
+    [
+        ("ckpt.agent.demo.train", "agent"),
+        ("ckpt.service.app", "service"),
+        ("ckpt.migrations", "migrations"),
+    ],
+)
+def test_an_import_of_the_old_layout_names_the_new_package(old: str, package: str) -> None:
+    with pytest.raises(
+        ImportError, match=f"{old.split('.')[1]} moved: .* top-level package '{package}'"
+    ):
+        importlib.import_module(old)
+
+
+def test_a_file_that_hides_the_agent_package_is_named(tmp_path: Path) -> None:
+    (tmp_path / "agent.py").write_text("")  # a training script's own agent.py, beside it
+    done = subprocess.run(
+        [sys.executable, "-c", "from ckpt import Checkpointer"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert f"{tmp_path / 'agent.py'} hides ckpt's package 'agent'" in done.stderr
+    elsewhere = subprocess.run(
+        [sys.executable, "-c", "from ckpt import Checkpointer"],
+        cwd=ROOT / "docs",
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert elsewhere.returncode == 0, elsewhere.stderr
