@@ -2,7 +2,7 @@
 
 Import the public API from ``ckpt`` (``from ckpt import Checkpointer``). This package knows
 torch; it imports ``ckpt.core`` (the torch-free layer it shares with the control plane) and
-never the control plane (``service``). Its folders, in the order a save passes through them:
+never the control plane (``service``). Its modules and folders, those of a save first:
 
     checkpointer  the façade: the training loop's one handle (``Checkpointer``)
     config        keyword arguments and ``CKPT_*`` variables, validated

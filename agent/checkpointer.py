@@ -70,11 +70,12 @@ class Checkpointer:
         store: where bundles go (``CKPT_STORE``): a directory, ``s3://bucket/prefix``, or
             an ``ObjectStore``.
         **settings: ``server``, ``token``, ``every_steps``, ``every_seconds``, ``every``,
-            ``in_flight``, ``overlap``, ``grace_seconds``...: every field of ``Config``
-            (each also a ``CKPT_*`` variable), typed by ``Keywords``.
+            ``in_flight``, ``overlap``, ``grace_seconds``...: the other settings of
+            ``Config`` (each also a ``CKPT_*`` variable), typed by ``Keywords``.
 
     Raises:
         ValueError: bad configuration or a data pipeline that cannot resume, saying what to change.
+        TypeError: a keyword that is no setting (misspelt).
     """
 
     def __init__(
@@ -214,22 +215,24 @@ class Checkpointer:
         result, own = self._restorer.restore(
             self.config, layers=layers, from_run=from_run, from_step=from_step
         )
-        if result.step is not None:
-            # The loop continues from the restored position, where the run's own bundle is
-            # durable (when every layer came back).
-            self._schedule.saved(self._position())
-            self._epochs.restart()
-            if own:
-                self._catalog.own_step(result.step)
-            if own and result.layers == RESTORE_ORDER:
-                self._persister.resumed_at(self._position())
-            self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
-            announce(
-                f"ckpt: run {self.config.run}: resumed from {result.bundle} at "
-                f"{self._position()} (layers {', '.join(result.layers)})",
-                quiet=self.config.quiet,
-            )
+        if result.step is None:
+            self.time_spent.ready(self.counters.step)
+            return result
+        # The loop continues from the restored position, where the run's own bundle is
+        # durable (when every layer came back).
+        self._schedule.saved(self._position())
+        self._epochs.restart()
+        if own:
+            self._catalog.own_step(result.step)
+        if own and result.layers == RESTORE_ORDER:
+            self._persister.resumed_at(self._position())
+        self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
         self.time_spent.ready(self.counters.step)
+        announce(
+            f"ckpt: run {self.config.run}: resumed from {result.bundle} at "
+            f"{self._position()} (layers {', '.join(result.layers)})",
+            quiet=self.config.quiet,
+        )
         return result
 
     def batches(self) -> Iterator[Any]:
@@ -306,8 +309,8 @@ class Checkpointer:
         )
         try:
             self._catalog.own_step(step)
+            self._schedule.saved(position)
             stall = time.perf_counter() - started
-            self._schedule.saved(position, stall=stall)
             pending = self._persister.submit(
                 states, staged, step=step, stall=stall, position=position
             )
@@ -315,6 +318,7 @@ class Checkpointer:
             staged.abandon()
             raise
         self.time_spent.stalled(stall)
+        self._schedule.measured(stall)
         return pending
 
     def wait(self) -> SaveResult | None:

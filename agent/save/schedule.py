@@ -70,9 +70,9 @@ class SaveSchedule:
     def due(self, position: Position) -> bool:
         """Whether every rank saves at ``position`` now; after a stop signal, the process ends
         here instead (``Preemption.act``)."""
+        seconds = time.monotonic() - self._last_time
         if self.auto is not None and self._ranks.rank == 0:  # rank 0 times auto saves for all
             self.policy = SavePolicy(every_seconds=self.auto.current())
-        seconds = time.monotonic() - self._last_time
         due = self.policy.due(position, last=self.last, seconds_since_last=seconds)
         stop, due, noticed = self._ranks.any_rank(
             self._preemption.requested,
@@ -96,12 +96,15 @@ class SaveSchedule:
         self._time_spent.stalled(time.perf_counter() - waiting)  # for the save in flight
         return self._ranks.all_ok(ready, timeout=MEET_SECONDS)
 
-    def saved(self, position: Position, *, stall: float | None = None) -> None:
-        """A save staged at ``position`` (stalling the loop ``stall`` seconds), or a resume
-        from it: the next interval starts now."""
+    def saved(self, position: Position) -> None:
+        """A save at ``position``, or a resume from it: the next interval starts now."""
         self.last = position
         self._last_time = time.monotonic()
-        if stall is not None and self.auto is not None:
+
+    def measured(self, stall: float) -> None:
+        """A save was submitted after stalling the loop ``stall`` seconds: ``every="auto"``
+        re-sizes its interval by it, and the attempt reports the new one."""
+        if self.auto is not None:
             self.auto.measured(stall)
             self._catalog.interval(self.auto.seconds, self.auto.waste_seconds_per_hour())
 
