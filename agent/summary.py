@@ -1,4 +1,5 @@
-"""One line for the user per resume and per durable save, with or without logging set up.
+"""One line for the user per resume, per durable save and per change of the auto interval,
+with or without logging set up.
 
 The lines go to the ``ckpt`` logger at INFO when the program configured logging (any
 handler on it or on the root logger), and straight to standard error otherwise, so that a
@@ -23,6 +24,15 @@ def announce(message: str, *, quiet: bool) -> None:
     else:
         with contextlib.suppress(OSError, ValueError):  # a broken stderr fails no save
             print(message, file=sys.stderr, flush=True)
+
+
+def format_seconds(seconds: float) -> str:
+    """``350 ms``, ``4.27 s``, ``1234 s``: three significant figures, whole seconds above."""
+    if seconds < 1:
+        return f"{seconds * 1000:.3g} ms"
+    if seconds < 100:
+        return f"{seconds:.3g} s"
+    return f"{seconds:.0f} s"
 
 
 def format_bytes(count: int) -> str:

@@ -8,7 +8,7 @@ measure one); ``mtbf`` is the control plane's estimate for the run and its capac
 training loop with at most ``ESTIMATE_PATIENCE`` seconds of retries (a control plane that
 is down costs a step that long, then the last estimate stands), or
 ``mtbf_seconds`` when configured (store-only: that or the default prior). A change of more
-than a tenth is logged. Only rank 0 decides when an auto save is due; the ranks save
+than a tenth is announced (``agent.summary.announce``: printed unless quiet). Only rank 0 decides when an auto save is due; the ranks save
 together as for any due save.
 """
 
@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from agent.summary import announce, format_seconds
 from ckpt.core.errors import CkptError
 from ckpt.core.interval import bounded, waste_per_hour, young_daly
 
@@ -38,9 +39,10 @@ class AutoInterval:
         high: float,
         mtbf_seconds: float | None,
         estimate: Callable[[], float | None],
+        quiet: bool,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._run, self._low, self._high = run, low, high
+        self._run, self._low, self._high, self._quiet = run, low, high, quiet
         self._fixed_mtbf, self._estimate, self._clock = mtbf_seconds, estimate, clock
         self.cost_seconds: float | None = None
         self.mtbf_seconds = mtbf_seconds or DEFAULT_MTBF_SECONDS
@@ -91,12 +93,16 @@ class AutoInterval:
         )
         before, self.seconds = self.seconds, chosen
         if abs(chosen - before) > 0.1 * before:
-            log.info(
-                "run %s: saving every %.0f s (a save stalls %.2f s, preemptions come every "
-                "%.1f h on average: %.0f s of each hour expected lost)",
-                self._run,
-                chosen,
-                self.cost_seconds,
-                self.mtbf_seconds / 3600,
-                self.waste_seconds_per_hour(),
-            )
+            self._announce()
+
+    def _announce(self) -> None:
+        assert self.cost_seconds is not None
+        waste = self.waste_seconds_per_hour()
+        assert waste is not None
+        announce(
+            f"ckpt: run {self._run}: saving every {format_seconds(self.seconds)} (a save "
+            f"stalls {format_seconds(self.cost_seconds)}, preemptions come every "
+            f"{self.mtbf_seconds / 3600:.3g} h on average: {format_seconds(waste)} of each "
+            "hour expected lost)",
+            quiet=self._quiet,
+        )

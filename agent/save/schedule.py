@@ -54,6 +54,7 @@ class SaveSchedule:
                 high=config.auto_max_seconds,
                 mtbf_seconds=config.mtbf_seconds,
                 estimate=catalog.preemption_rate,
+                quiet=config.quiet or ranks.rank != 0,  # rank 0 times auto saves for all
             )
             if config.every == "auto"
             else None

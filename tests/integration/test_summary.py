@@ -13,6 +13,7 @@ import pytest
 
 from agent.attempt.grace import describe
 from agent.save.policy import Position
+from agent.summary import format_seconds
 
 SCRIPT = textwrap.dedent(
     """
@@ -84,3 +85,45 @@ def test_a_broken_stderr_fails_no_save(tmp_path: Path) -> None:
         process.stderr.close()  # every line ckpt prints now raises BrokenPipeError
         assert process.wait(timeout=300) == 0
     assert (tmp_path / "store" / "runs" / "words" / "bundles" / "000000000005").is_dir()
+
+
+AUTO = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from ckpt import Checkpointer
+
+    model = torch.nn.Linear(4, 4)
+    # The first save comes 0.05 s in, to measure one; the interval it sizes is capped at
+    # 2.5 s (the optimum for a 4 h mean time between preemptions is far longer).
+    with Checkpointer(
+        run="auto", store=sys.argv[1], models=model, every="auto", auto_min_seconds=0.05,
+        auto_max_seconds=2.5,
+    ) as ckpt:
+        ckpt.resume()
+        while ckpt.maybe_save() is None:
+            ckpt.counters.step += 1
+    """
+)
+
+
+def test_a_new_auto_interval_is_printed_with_its_fraction_of_a_second(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", AUTO, str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    changes = [line for line in done.stderr.splitlines() if "saving every" in line]
+    assert len(changes) == 1, done.stderr
+    assert changes[0].startswith("ckpt: run auto: saving every 2.5 s (a save stalls ")
+    assert "preemptions come every 4 h on average" in changes[0]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.0123, "12.3 ms"), (0.35, "350 ms"), (2.5, "2.5 s"), (42.31, "42.3 s"), (1234.5, "1234 s")],
+)
+def test_durations_read_with_three_significant_figures(seconds: float, text: str) -> None:
+    assert format_seconds(seconds) == text

@@ -63,7 +63,13 @@ def test_the_agent_re_evaluates_as_the_cost_and_the_estimate_change(
         return estimates[-1]
 
     auto = AutoInterval(
-        run="r", low=60, high=6 * HOUR, mtbf_seconds=None, estimate=estimate, clock=lambda: now[0]
+        run="r",
+        low=60,
+        high=6 * HOUR,
+        mtbf_seconds=None,
+        estimate=estimate,
+        quiet=False,
+        clock=lambda: now[0],
     )
     assert auto.current() == 60  # no save measured yet: save soon, to measure one
     assert auto.waste_seconds_per_hour() is None
@@ -90,11 +96,13 @@ def test_the_agent_re_evaluates_as_the_cost_and_the_estimate_change(
     def failing() -> float:
         raise ControlPlaneError("down")
 
-    bounded_auto = AutoInterval(run="r", low=60, high=100, mtbf_seconds=None, estimate=failing)
+    bounded_auto = AutoInterval(
+        run="r", low=60, high=100, mtbf_seconds=None, estimate=failing, quiet=True
+    )
     bounded_auto.measured(50.0)
     assert bounded_auto.current() == 100
     # A configured mean is never replaced by an estimate.
-    fixed = AutoInterval(run="r", low=1, high=1e9, mtbf_seconds=HOUR, estimate=estimate)
+    fixed = AutoInterval(run="r", low=1, high=1e9, mtbf_seconds=HOUR, estimate=estimate, quiet=True)
     fixed.measured(8.0)
     assert fixed.current() == pytest.approx(math.sqrt(2 * 8 * HOUR))
 
