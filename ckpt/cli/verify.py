@@ -19,8 +19,10 @@ VERIFY = """
 
     Prints each bad blob and a summary line; --json prints one JSON document instead:
     {"bundle": the manifest's key, "run", "step", "blobs": distinct blobs read, "bytes":
-    their total size, "bad": {sha256: problem}, "intact": true or false}. Exits 0 when
-    every blob is intact, 1 when one is not, 2 when there is no such bundle.
+    their total size, "bad": {sha256: problem}, "missing": [parts the manifest lacks],
+    "intact": true or false}; when there is no such bundle (or no store), {"run", "step":
+    the step asked for or null, "error": what failed, "intact": false}. Exits 0 when every
+    blob is intact, 1 when one is not, 2 when there is no such bundle.
 """
 
 
@@ -40,6 +42,7 @@ def add_commands(commands: Commands) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from ckpt.core.errors import StoreError
     from ckpt.core.progress import Progress
     from ckpt.core.storage import open_store
     from ckpt.core.verify import find_manifest, verify
@@ -47,8 +50,10 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         store = open_store(args.store or settings().store)
         manifest = find_manifest(store, args.run, step=args.step)
-    except (LookupError, ValueError) as err:
+    except (LookupError, ValueError, StoreError) as err:
         print(f"ckpt verify: {err}", file=sys.stderr)
+        if args.json:
+            print(format_json_error(run=args.run, step=args.step, error=str(err)))
         return 2
     blobs = {b.sha256: b.size for r in manifest.ranks for x in r.layers.values() for b in x.blobs}
     progress = Progress(f"verifying {args.run} step {manifest.step}", sum(blobs.values()))
@@ -73,6 +78,13 @@ def format_report(report: Verified) -> str:
     verdict = ", ".join(problems) or "intact"
     lines.append(f"{report.bundle}: {report.blobs} blobs, {report.bytes} bytes, {verdict}")
     return "\n".join(lines)
+
+
+def format_json_error(*, run: str, step: int | None, error: str) -> str:
+    """What ``ckpt verify --json`` prints when it found no bundle to verify."""
+    import json
+
+    return json.dumps({"run": run, "step": step, "error": error, "intact": False}, indent=2)
 
 
 def format_json(report: Verified) -> str:

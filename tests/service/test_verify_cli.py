@@ -128,14 +128,28 @@ def test_json_report_names_each_bad_blob_and_exits_1(
     assert (report["blobs"], report["bytes"]) == manifest_totals(store, 1)
 
 
-def test_json_asked_for_a_missing_bundle_exits_2_with_nothing_on_stdout(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("argv", "step", "message"),
+    [
+        (["verify", "nobody"], None, "run nobody has no bundle"),
+        (["verify", "verified", "--step", "7"], 7, "run verified has no bundle at step 7"),
+    ],
+)
+def test_json_asked_for_a_missing_bundle_exits_2_with_a_json_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    step: int | None,
+    message: str,
 ) -> None:
     saved(tmp_path / "store", steps=(1,))
-    assert main(["verify", "nobody", "--store", str(tmp_path / "store"), "--json"]) == 2
+    assert main([*argv, "--store", str(tmp_path / "store"), "--json"]) == 2
     out, err = capsys.readouterr()
-    assert out == ""
-    assert "run nobody has no bundle" in err
+    report = json.loads(out)
+    assert report.keys() == {"run", "step", "error", "intact"}
+    assert (report["run"], report["step"], report["intact"]) == (argv[1], step, False)
+    assert report["error"].startswith(message)
+    assert message in err
 
 
 def drop_layer(store: DirectoryStore, *, step: int, layer: Layer) -> None:
