@@ -53,7 +53,7 @@ def read_layer(
         # place; a group of small tensors goes through a buffer of its own.
         direct = len(pieces) == 1
         buffer = pieces[0] if direct else torch.empty(blob.size, dtype=torch.uint8).numpy().data
-        _fetch_blob(store, blob, buffer, bundle=name, rank=rank, layer=layer)
+        _fetch_blob(store, manifest, blob, buffer)
         if not direct:
             payload.scatter(target, start, buffer)
         progress(blob.size)
@@ -69,27 +69,39 @@ def read_layer(
     return header.skeleton, dict(target.tensors)
 
 
-def _fetch_blob(
-    store: ObjectStore, blob: BlobRef, target: memoryview, *, bundle: str, rank: int, layer: Layer
-) -> None:
-    """Read one blob into ``target`` and check its size and SHA-256."""
+def referencing(manifest: Manifest, sha256: str) -> str:
+    """Every (rank, layer) of the manifest whose payload holds the blob: ``rank 0 weights,
+    rank 1 weights`` (replicated state is stored once, so one blob may serve many ranks)."""
+    return ", ".join(
+        f"rank {record.rank} {layer}"
+        for record in manifest.ranks
+        for layer, layer_record in record.layers.items()
+        if any(blob.sha256 == sha256 for blob in layer_record.blobs)
+    )
+
+
+def _fetch_blob(store: ObjectStore, manifest: Manifest, blob: BlobRef, target: memoryview) -> None:
+    """Read one blob of the manifest into ``target`` and check its size and SHA-256."""
+    bundle = bundle_name(manifest)
+
+    def what() -> str:  # only on failure: it reads the whole manifest
+        return f"bundle {bundle}: blob {blob.sha256} (of {referencing(manifest, blob.sha256)})"
+
     try:
         size = store.read_into(keys.blob_key(blob.sha256), target) if blob.size else 0
     except BadObjectError as err:
         raise CorruptBundleError(
-            f"bundle {bundle}: blob {blob.sha256} of rank {rank} {layer} is unusable: {err}",
-            bundle=bundle,
-            blob=blob.sha256,
+            f"{what()} is unusable: {err}", bundle=bundle, blob=blob.sha256
         ) from err
     except StoreError as err:
         raise StoreError(
-            f"bundle {bundle}: the store failed while reading blob {blob.sha256} of rank "
-            f"{rank} {layer} ({err}); nothing was quarantined: retry when the store answers"
+            f"{what()}: the store failed while reading it ({err}); nothing was quarantined: "
+            "retry when the store answers"
         ) from err
     if size != blob.size or hashlib.sha256(target).hexdigest() != blob.sha256:
         raise CorruptBundleError(
-            f"bundle {bundle}: blob {blob.sha256} of rank {rank} {layer} does not match its "
-            f"SHA-256 or size ({size} bytes read, {blob.size} expected); refusing to restore it",
+            f"{what()} does not match its SHA-256 or size ({size} bytes read, {blob.size} "
+            "expected); refusing to restore it",
             bundle=bundle,
             blob=blob.sha256,
         )

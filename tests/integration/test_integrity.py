@@ -17,6 +17,7 @@ from torch import nn
 from agent.catalog.manifests import latest_manifest, write_manifest
 from agent.catalog.store import store_held
 from agent.format.skeleton import JSON
+from agent.restore.download import read_layer
 from agent.save.upload import WriteStats, upload_layer
 from agent.state.capture import LayerState
 from ckpt import (
@@ -115,6 +116,25 @@ def test_a_flipped_byte_is_refused_naming_the_bundle_and_blob(tmp_path: Path) ->
     assert "refusing to start from scratch" in str(raised.value)
     # The weights layer failed verification before anything was loaded into the model.
     assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+
+
+def test_a_damaged_blob_that_two_ranks_share_is_named_with_both(tmp_path: Path) -> None:
+    # Replicated state is stored once: here every blob of the two ranks' layers is shared.
+    store = saved_store(tmp_path, steps=(1,))
+    layers = Manifest.model_validate_json(store.get(keys.manifest_key("integrity", 1))).ranks[0]
+    shared = write_manifest(
+        store, run="integrity", step=2, world_size=2, ranks={0: layers.layers, 1: layers.layers}
+    )
+    victim = shared.ranks[1].layers[Layer.WEIGHTS].blobs[-1].sha256  # rank 1's entry
+    path = store.root / keys.blob_key(victim)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(CorruptBundleError) as raised:
+        read_layer(store, shared, rank=0, layer=Layer.WEIGHTS)  # rank 0 meets it first
+    assert f"blob {victim} (of rank 0 weights, rank 1 weights) does not match" in str(
+        raised.value
+    )
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
