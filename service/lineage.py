@@ -8,7 +8,9 @@ bundles grow a second child under it: a fork. The live branch is the head and it
 
 Attempts follow one another by epoch. When one ends other than finished, its successor
 repeats the steps between the bundle it resumes from and the last step the ended attempt
-reported: the steps that ending lost.
+reported: the steps that ending lost. Exact when the attempt reported its end (the end
+carries the step it stopped at); a lower bound when it was marked lost (killed, it said
+nothing after its last heartbeat, and may have trained past the step that carried).
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ def steps_lost(attempt: AttemptNode, successor: AttemptNode | None) -> int | Non
         return None
     assert successor.epoch > attempt.epoch, "a successor comes after the attempt"
     return max(0, attempt.last_step - (successor.resumed_step or 0))
+
+
+def steps_lost_exact(end_reason: str | None) -> bool:
+    """Whether an ended attempt's ``steps_lost`` is exact: its own end report carried the
+    step it stopped at. Marked lost, its last step came with a heartbeat (or a notice), and
+    it may have trained past it: its steps lost are then at least that many."""
+    return end_reason != EndReason.LOST
 
 
 def steps_lost_by_attempt(attempts: Iterable[AttemptNode]) -> dict[int, int | None]:

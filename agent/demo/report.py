@@ -108,7 +108,8 @@ def format_attempt(attempt: dict[str, Any]) -> str:
     elif reason == "lost":
         line += " (killed: no final save, no goodbye)"
     lost = attempt.get("steps_lost")
-    return f"{line}, steps lost: {'?' if lost is None else lost}"
+    bound = "at least " if attempt.get("steps_lost_exact") is False else ""
+    return f"{line}, steps lost: {'?' if lost is None else f'{bound}{lost}'}"
 
 
 def format_goodput(attempts: list[dict[str, Any]]) -> str:

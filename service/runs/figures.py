@@ -1,6 +1,6 @@
 """What the API shows of runs beyond their own rows (``run_figures``): the head, the bundle
-each resumes from, its bundles by status and its steps lost, in a constant number of
-queries however many runs."""
+each resumes from, its bundles by status and its steps lost (and whether they are exact),
+in a constant number of queries however many runs."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.models import Bundle, BundleStatus, Run, RunActivity
-from service.runs.repository import RUN_IDS, resumable_walk
+from service.runs.repository import RUN_IDS, bounded_steps_lost, resumable_walk
 
 
 def run_figures(session: Session, *, run_ids: Collection[int]) -> dict[int, RunFigures]:
-    """What the API shows of these runs beyond their own row, in four queries however many
-    runs: the head, the bundle each resumes from, the bundles by status, the steps lost."""
+    """What the API shows of these runs beyond their own row, in five queries however many
+    runs: the head, the bundle each resumes from, the bundles by status, the steps lost and
+    whether they are exact."""
     ids = {"run_ids": sorted(set(run_ids))}
     found = {run_id: RunFigures() for run_id in ids["run_ids"]}
     if not found:
@@ -53,6 +54,8 @@ def run_figures(session: Session, *, run_ids: Collection[int]) -> dict[int, RunF
     )
     for run_id, steps in lost:
         found[run_id].steps_lost = steps
+    for run_id in session.scalars(bounded_steps_lost(), ids):
+        found[run_id].steps_lost_exact = False
     return found
 
 
@@ -68,3 +71,4 @@ class RunFigures:
     resumable: BundleRefRow | None = None
     bundles: dict[str, int] = field(default_factory=dict)  # by status
     steps_lost: int = 0
+    steps_lost_exact: bool = True  # False: a lower bound (``bounded_steps_lost``)

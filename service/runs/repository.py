@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CTE, BindParameter, and_, bindparam, func, or_, select
+from sqlalchemy import CTE, BindParameter, Select, and_, bindparam, func, or_, select
 from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session, aliased
 
@@ -99,6 +99,22 @@ def resumable_walk() -> CTE:
             parent,
             and_(parent.id == start.c.parent_id, start.c.status != BundleStatus.COMPLETE),
         )
+    )
+
+
+@functools.cache
+def bounded_steps_lost() -> Select[int]:
+    """The runs among ``run_ids`` whose steps lost are a lower bound: an attempt of theirs
+    with a successor (an epoch below the run's) was marked lost (``lineage.steps_lost_exact``)."""
+    return (
+        select(Attempt.run_id)
+        .join(Run, Run.id == Attempt.run_id)
+        .where(
+            Attempt.run_id.in_(RUN_IDS),
+            Attempt.end_reason == EndReason.LOST,
+            Attempt.epoch < Run.epoch,
+        )
+        .distinct()
     )
 
 

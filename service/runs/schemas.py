@@ -56,6 +56,11 @@ class RunOut(BaseModel):
     steps_lost_total: int = Field(
         description="the sum of the attempts' steps_lost: steps trained again after endings"
     )
+    steps_lost_total_exact: bool = Field(
+        default=True,
+        description="false when an attempt with a successor was marked lost: its steps lost "
+        "are a lower bound, so steps_lost_total is one too (at least that many)",
+    )
 
 
 class RunPage(BaseModel):
@@ -179,6 +184,12 @@ class AttemptOut(BaseModel):
     steps_lost: int | None = Field(
         description="steps this attempt trained past the bundle its successor resumed from; "
         "null while it runs, has no successor, reported no step, or finished"
+    )
+    steps_lost_exact: bool | None = Field(
+        default=None,
+        description="true when steps_lost is exact (the attempt reported its end, with its "
+        "step); false when it is a lower bound (the attempt was marked lost: it may have "
+        "trained past the step its last heartbeat carried); null with steps_lost",
     )
     time: TimeOut | None = Field(
         default=None, description="where its time went, as its agent last reported"

@@ -301,6 +301,7 @@ def _run_out(run: Run, figures: RunFigures) -> RunOut:
         dedup_group=run.dedup_group,
         num_bundles=figures.bundles,
         steps_lost_total=figures.steps_lost,
+        steps_lost_total_exact=figures.steps_lost_exact,
     )
 
 
@@ -320,6 +321,9 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
         resumed_from_id=attempt.resumed_from_id,
         fenced=attempt.epoch != run.epoch,
         steps_lost=steps_lost,
+        steps_lost_exact=None
+        if steps_lost is None
+        else lineage.steps_lost_exact(attempt.end_reason),
         notice_at=attempt.notice_at,
         notice=attempt.notice,
         pool=attempt.pool,

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from html import escape
 from urllib.parse import quote
 
+from service import lineage
+
 WIDTH = 960
 LABEL_WIDTH = 96  # the lanes' names, left of the axis
 RIGHT_MARGIN = 24
@@ -221,10 +223,11 @@ def _lost(lane: Lane, plan: _Layout, y: float, successor: Lane | None) -> str:
         return ""
     x1, x2 = plan.x(lane.last_step - lane.steps_lost), plan.x(lane.last_step)
     top = y - LANE_HEIGHT / 2 + 2
+    bound = "" if lineage.steps_lost_exact(lane.ended) else "at least "
     return (
         f'<rect class="lost" data-epoch="{lane.epoch}" data-steps="{lane.steps_lost}" '
         f'x="{x1}" y="{top}" width="{max(1.0, round(x2 - x1, 1))}" height="{LANE_HEIGHT - 4}">'
-        f"<title>{lane.steps_lost} steps lost when epoch {lane.epoch} ended "
+        f"<title>{bound}{lane.steps_lost} steps lost when epoch {lane.epoch} ended "
         f"({escape(lane.ended)}): epoch {successor.epoch} trained them again</title></rect>"
     )
 

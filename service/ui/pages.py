@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ckpt.core.contract import RESTORE_ORDER, Layer
-from service import completeness
+from service import completeness, lineage
 from service.auth.service import Principal, require_read
 from service.bundles import repository as bundles_repository
 from service.bundles.damage import trusted
@@ -54,6 +54,11 @@ class AttemptRow:
     attempt: Attempt
     steps_lost: int | None
     goodput: float | None  # None before its agent reported time
+
+    @property
+    def steps_lost_exact(self) -> bool:
+        """False: ``steps_lost`` is a lower bound (the attempt was marked lost)."""
+        return lineage.steps_lost_exact(self.attempt.end_reason)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import (
     Select,
     bindparam,
+    false,
     func,
     select,
 )
@@ -31,7 +32,7 @@ from service.models import (
     RunActivity,
     Save,
 )
-from service.runs.repository import RUN_IDS, resumable_walk
+from service.runs.repository import RUN_IDS, bounded_steps_lost, resumable_walk
 
 # A SELECT of any columns.
 Statement = Select[*tuple[Any, ...]]
@@ -61,6 +62,7 @@ class RunFigures:
     attempts: int = 0
     preemptions: int = 0
     steps_lost: int = 0
+    steps_lost_exact: bool = True  # False: a lower bound (``bounded_steps_lost``)
     steps_computed: int = 0  # the steps all attempts trained, repeats included
     head_step: int | None = None
     resumable_step: int | None = None
@@ -162,7 +164,7 @@ def figures(
     }
     if not found:
         return {}
-    parts = [_resumable, _heads] + ([_bytes] if with_bytes else [])
+    parts = [_resumable, _heads, _bounded] + ([_bytes] if with_bytes else [])
     dialect = session.get_bind().dialect.name
     for part in parts:
         rows = session.execute(part(dialect), {"run_ids": list(found)})
@@ -176,6 +178,7 @@ def figures(
 NAMES = {
     "_resumable": ("resumable_step", "resumable_at"),
     "_heads": ("head_step",),
+    "_bounded": ("steps_lost_exact",),
     "_bytes": ("bytes_stored", "payload_bytes"),
 }
 
@@ -188,6 +191,13 @@ def _named(part: Callable[[str], Statement], values: list[Any]) -> dict[str, Any
     """A part's row as figures, by name."""
     named = dict(zip(NAMES[part.__name__], values, strict=True))
     return {name: int(value or 0) if name in SUMS else value for name, value in named.items()}
+
+
+@functools.cache
+def _bounded(dialect: str) -> Statement:
+    """The runs whose steps lost are a lower bound (an attempt marked lost), with False."""
+    found = bounded_steps_lost().subquery()
+    return select(found.c.run_id, false())
 
 
 @functools.cache

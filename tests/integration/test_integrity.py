@@ -132,9 +132,7 @@ def test_a_damaged_blob_that_two_ranks_share_is_named_with_both(tmp_path: Path) 
     path.write_bytes(data)
     with pytest.raises(CorruptBundleError) as raised:
         read_layer(store, shared, rank=0, layer=Layer.WEIGHTS)  # rank 0 meets it first
-    assert f"blob {victim} (of rank 0 weights, rank 1 weights) does not match" in str(
-        raised.value
-    )
+    assert f"blob {victim} (of rank 0 weights, rank 1 weights) does not match" in str(raised.value)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])

@@ -22,7 +22,7 @@ from sqlalchemy import Engine, text, update
 from sqlalchemy.exc import IntegrityError
 
 from service.db import alembic_config, make_engine, upgrade
-from service.lineage import AttemptNode, steps_lost, steps_lost_by_attempt
+from service.lineage import AttemptNode, steps_lost, steps_lost_by_attempt, steps_lost_exact
 from service.models import Attempt, AttemptRank, EndReason, utcnow
 from service.runs.attempts import mark_lost
 from service.runs.schemas import ReportedEnd
@@ -487,3 +487,15 @@ def test_the_migration_allows_lost_and_keeps_the_rows(migrated_to_0002: Engine) 
     assert reason == "failed"  # the old schema's nearest word
     with pytest.raises(IntegrityError):
         set_reason(engine, "lost")
+
+
+@pytest.mark.parametrize(
+    ("reason", "exact"),
+    [("preempted", True), ("failed", True), ("finished", True), ("lost", False)],
+)
+def test_steps_lost_are_a_lower_bound_only_for_an_attempt_marked_lost(
+    reason: str, exact: bool
+) -> None:
+    # A reported end carries the step the attempt stopped at; a lost attempt's last step
+    # came with its last heartbeat, and it may have trained past it.
+    assert steps_lost_exact(reason) is exact
