@@ -311,6 +311,33 @@ def test_the_pages_show_the_lineage_the_api_reports(server: Server, run_name: st
     assert page.count('class="series"') == 4
 
 
+def test_steps_lost_to_a_lost_attempt_show_as_at_least(server: Server, run_name: str) -> None:
+    # Epoch 1 was marked lost at step 14 (its last heartbeat); epoch 2 started fresh.
+    at = utcnow() - timedelta(hours=1)
+    with server.context.transaction() as session:
+        run = Run(name=run_name, created_at=at, epoch=2)
+        session.add(run)
+        session.flush()
+        session.add(
+            Attempt(
+                run_id=run.id, epoch=1, started_at=at, ended_at=at, end_reason="lost", last_step=14
+            )
+        )
+        session.add(Attempt(run_id=run.id, epoch=2, started_at=at, last_step=3))
+        session.flush()
+        refresh_activity(session, run_ids=[run.id])
+    with server.client() as api:
+        assert api.get(f"/v1/runs/{run_name}").json()["steps_lost_total_exact"] is False
+    with signed_in_client(server.url, server.admin_token) as browser:
+        assert cell(browser.get("/ui/").text, run_name, "steps_lost") == "≥ 14"
+        page = browser.get(f"/ui/runs/{run_name}").text
+    summary = re.search(r'<dd data-col="steps_lost">(.*?)</dd>', page)
+    assert summary and summary.group(1) == "≥ 14"
+    row = page.split('<tr data-epoch="1">', 1)[1].split("</tr>", 1)[0]
+    assert re.search(r'data-col="steps_lost" class="num">≥ 14</td>', row)
+    assert "<title>at least 14 steps lost when epoch 1 ended (lost)" in page
+
+
 def test_the_bundle_page(server: Server, run_name: str) -> None:
     played = play(server, run_name)
     head, pending = played.ids["50'"], played.ids["60"]
