@@ -103,8 +103,9 @@ def _cannot_lay_out(model: Any, layout: Layout) -> str | None:
         return "DDP runs with mixed_precision"
     if getattr(model, "_use_python_reducer", False):
         return "DDP runs its Python reducer (compiled DDP)"
-    if model._get_ddp_logging_data().get("comm_hook") and not model._comm_hooks:
-        return "DDP runs a built-in comm hook (_register_builtin_comm_hook)"
+    hook = model._get_ddp_logging_data().get("comm_hook")
+    if hook and not model._comm_hooks and _builtin_hook(hook) is None:
+        return f"DDP runs a comm hook it does not list ({hook})"
     count = len(model._build_params_for_reducer()[0])
     if sorted(index for bucket in layout for index in bucket) != list(range(count)):
         return f"the saved bucket layout does not fit its {count} parameters"
@@ -112,9 +113,9 @@ def _cannot_lay_out(model: Any, layout: Layout) -> str | None:
 
 
 def _rebuild_reducer(model: Any, layout: Layout) -> None:
-    """A new reducer in ``layout``, as DDP's own ``__setstate__`` builds one; the comm hooks
-    registered on the old one are registered again. The old reducer's autograd hooks go
-    with it."""
+    """A new reducer in ``layout``, as DDP's own ``__setstate__`` builds one, with the comm
+    hooks of the old one registered again. The old reducer's autograd hooks go with it."""
+    builtin = _builtin_hook(model._get_ddp_logging_data().get("comm_hook"))
     parameters, expect_sparse_gradient = model._build_params_for_reducer()
     names = model._build_debug_param_to_name_mapping(parameters)
     with _assigned(layout, limit=model.bucket_bytes_cap):
@@ -123,7 +124,18 @@ def _rebuild_reducer(model: Any, layout: Layout) -> None:
         model.reducer._set_static_graph()
         model.logger._set_static_graph()
     for hook, state in model._comm_hooks:
+        model.logger._set_comm_hook_name(hook.__qualname__)
         _dist._register_comm_hook(model.reducer, state, hook)
+    if builtin is not None and not model._comm_hooks:
+        model._register_builtin_comm_hook(builtin)
+
+
+def _builtin_hook(name: object) -> object | None:
+    """The built-in comm hook DDP logs as ``name`` ("BuiltinCommHookType.FP16_COMPRESS")."""
+    if not isinstance(name, str) or not name.startswith("BuiltinCommHookType."):
+        return None
+    members: dict[str, object] = _dist.BuiltinCommHookType.__members__
+    return members.get(name.removeprefix("BuiltinCommHookType."))
 
 
 @contextlib.contextmanager
