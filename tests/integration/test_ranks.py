@@ -72,6 +72,7 @@ def resume(world: int, store: Path, out: Path, parallel: str, *extra: str) -> li
         ("ddp", "ckpt", 4, ()),
         ("ddp", "ckpt", 4, ("--bucket-cap-mb", "0.01")),
     ],
+    ids=["ddp", "fsdp", "ddp-torch-sampler", "ddp-4-ranks", "ddp-4-ranks-2-buckets"],
 )
 def test_every_rank_killed_then_resumed_is_bit_exact(
     tmp_path: Path,
