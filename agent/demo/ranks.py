@@ -62,6 +62,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="ckpt",
         help="shard the data with ckpt's ResumableSampler or torch's DistributedSampler",
     )
+    add(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP's gradient bucket size in MiB (default: DDP's own, 25)",
+    )
     add("--steps", type=int, default=12, help="train until this optimizer step")
     add("--total-steps", type=int, default=24, help="the LR schedule's length")
     add("--every", type=int, default=None, help="save every N optimizer steps")
@@ -92,9 +98,11 @@ class Job:
     records: list[tuple[int, int, torch.Tensor, float]] = field(default_factory=list)
 
 
-def wrap(model: nn.Module, parallel: str) -> nn.Module:
-    if parallel == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+def wrap(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    if args.parallel == "ddp":
+        if args.bucket_cap_mb is None:
+            return nn.parallel.DistributedDataParallel(model)
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.children():
@@ -107,7 +115,7 @@ def wrap(model: nn.Module, parallel: str) -> nn.Module:
 def build(args: argparse.Namespace) -> Job:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = wrap(make_model(), args.parallel)
+    model = wrap(make_model(), args)
     random.seed(1000 + rank)  # each rank its own dropout and augmentation
     np.random.seed(1000 + rank)
     torch.manual_seed(1000 + rank)

@@ -2,4 +2,5 @@
 
 base         the ``Ranks`` protocol, the single process, and ``job_ranks`` to pick
 distributed  ``TorchRanks``: the same meetings over ``torch.distributed`` (gloo)
+buckets      DDP's gradient bucket layout, saved and laid out again at a resume
 """

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from agent.ranks.buckets import bucket_layout, lay_out_buckets, warn_unsaved_layout
 from agent.state.objects import Generator, TrainingObjects
 from agent.state.sharded import Saved, is_sharded, place, place_all
 from ckpt.core.errors import IncompatibleBundleError
@@ -55,6 +56,8 @@ def capture_weights(objects: TrainingObjects) -> State:
         },
         "extras": {name: extra.state_dict() for name, extra in objects.extras.items()},
         "grads": None,
+        # DDP's rebuilt gradient buckets: the order the next step's gradients are summed in.
+        "buckets": {name: bucket_layout(model) for name, model in objects.models.items()},
     }
     if objects.counters.micro_step != 0:  # mid-accumulation: the partial sums are state too
         state["grads"] = {
@@ -72,10 +75,15 @@ def capture_weights(objects: TrainingObjects) -> State:
 
 def restore_weights(objects: TrainingObjects, state: State) -> None:
     _same_names("models", objects.models, state["models"])
+    layouts = state.get("buckets")  # absent from the bundles of older versions
     for name, model in objects.models.items():
         model_state = OrderedDict(place_all(state["models"][name], model.state_dict().__getitem__))
         model_state._metadata = state["module_versions"][name]  # type: ignore[attr-defined]
         model.load_state_dict(model_state, strict=True)
+        if layouts is None:
+            warn_unsaved_layout(model, name=name)
+        else:
+            lay_out_buckets(model, layouts[name], name=name)
     masters = _masters(objects)
     _same_names("fp32 master weights of optimizers", masters, state["masters"])
     with torch.no_grad():

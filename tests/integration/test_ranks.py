@@ -29,19 +29,21 @@ Reference = Callable[..., list[Any]]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    """The uninterrupted run of (parallelism, world size), computed when first asked for."""
+    """The uninterrupted run of (parallelism, world size, sampler, job options), computed
+    when first asked for."""
     root = tmp_path_factory.mktemp("references")
 
     @functools.cache
-    def cached(parallel: str, world: int, sampler: str) -> list[Any]:
-        out = root / f"{parallel}{world}{sampler}"
-        store = root / f"store-{parallel}{world}{sampler}"
-        done = run_ranks(world, store, out, *STEPS, "--parallel", parallel, "--sampler", sampler)
+    def cached(parallel: str, world: int, sampler: str, extra: tuple[str, ...]) -> list[Any]:
+        name = "-".join((parallel, str(world), sampler, *extra)).replace("--", "")
+        out, store = root / name, root / f"store-{name}"
+        job = (*STEPS, "--parallel", parallel, "--sampler", sampler, *extra)
+        done = run_ranks(world, store, out, *job)
         assert done.codes == [0] * world, done.text()
         return load_ranks(out, world)
 
-    def run(parallel: str, world: int, sampler: str = "ckpt") -> list[Any]:
-        return cached(parallel, world, sampler)  # one key, one run, whatever the call's form
+    def run(parallel: str, world: int, sampler: str = "ckpt", *extra: str) -> list[Any]:
+        return cached(parallel, world, sampler, extra)  # one key, one run, whatever the form
 
     return run
 
@@ -59,18 +61,35 @@ def resume(world: int, store: Path, out: Path, parallel: str, *extra: str) -> li
 
 
 @pytest.mark.parametrize(
-    ("parallel", "sampler"), [("ddp", "ckpt"), ("fsdp", "ckpt"), ("ddp", "torch")]
+    ("parallel", "sampler", "world", "extra"),
+    [
+        ("ddp", "ckpt", 2, ()),
+        ("fsdp", "ckpt", 2, ()),
+        ("ddp", "torch", 2, ()),
+        # More than 2 ranks: gloo's ring sums a gradient element in an order set by its
+        # offset in DDP's bucket, and a fresh DDP's buckets are laid out otherwise than the
+        # ones it rebuilds after its first iteration. One bucket (the default), then several.
+        ("ddp", "ckpt", 4, ()),
+        ("ddp", "ckpt", 4, ("--bucket-cap-mb", "0.01")),
+    ],
+    ids=["ddp", "fsdp", "ddp-torch-sampler", "ddp-4-ranks", "ddp-4-ranks-2-buckets"],
 )
 def test_every_rank_killed_then_resumed_is_bit_exact(
-    tmp_path: Path, reference: Reference, parallel: str, sampler: str
+    tmp_path: Path,
+    reference: Reference,
+    *,
+    parallel: str,
+    sampler: str,
+    world: int,
+    extra: tuple[str, ...],
 ) -> None:
     store, out = tmp_path / "store", tmp_path / "out"
-    job = (*STEPS, "--parallel", parallel, "--sampler", sampler)
+    job = (*STEPS, "--parallel", parallel, "--sampler", sampler, *extra)
     marker = ("--drill-marker", str(tmp_path / "killed"))
-    killed = run_ranks(2, store, out, *job, "--kill-at", "5.1", *marker)
-    assert killed.codes == [-9, -9], killed.text()
-    resumed = resume(2, store, out, parallel, "--sampler", sampler)
-    assert_bit_exact(reference(parallel, 2, sampler), resumed)
+    killed = run_ranks(world, store, out, *job, "--kill-at", "5.1", *marker)
+    assert killed.codes == [-9] * world, killed.text()
+    resumed = resume(world, store, out, parallel, "--sampler", sampler, *extra)
+    assert_bit_exact(reference(parallel, world, sampler, *extra), resumed)
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_one_boundary(
