@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Position:
-    """Where in the run a save lands."""
+    """Where in the run a save lands; positions order by (step, micro step)."""
 
     step: int
     micro_step: int

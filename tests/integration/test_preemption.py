@@ -86,8 +86,8 @@ def drill(store: Path, out: Path, *args: str, env: dict[str, str] | None = None)
 
 
 def bundle_steps(store: Path, run: str = "demo") -> list[int]:
-    found = (keys.manifest_step(key) for key in _keys(store / "runs" / run))
-    return sorted(step for step in found if step is not None)
+    found = (keys.manifest_position(key) for key in _keys(store / "runs" / run))
+    return sorted(position[0] for position in found if position is not None)
 
 
 def _keys(root: Path) -> list[str]:
