@@ -222,9 +222,8 @@ class Checkpointer:
         # durable (when every layer came back).
         self._schedule.saved(self._position())
         self._epochs.restart()
-        if own:
-            self._catalog.own_step(result.step)
         if own and result.layers == RESTORE_ORDER:
+            self._catalog.resumed(self._position())
             self._persister.resumed_at(self._position())
         self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
         self.time_spent.ready(self.counters.step)
@@ -275,9 +274,11 @@ class Checkpointer:
 
         Raises:
             UnrepresentableStateError: a state value has no safe representation (names its key path).
-            BundleExistsError: this process saved another micro step of this step already
-                (one bundle per step and attempt); or, store-only, the step has a bundle
-                this process did not write.
+            BundleExistsError: store-only, the position has a resumable bundle and this
+                process did not resume the run (all layers) from before it: resume first, or
+                save to a new run. A later micro step of a saved step is a new bundle, and a
+                bundle the resume skipped (incomplete, damaged, after where it resumed) is
+                saved again, replacing it.
             StoreError, ControlPlaneError, FencedError: the previous save's persist failed
                 (raised here, once, so that no failed save goes unnoticed).
 
@@ -299,8 +300,7 @@ class Checkpointer:
             what="the position of a save (step, micro step, epoch, batch)",
             timeout=MEET_SECONDS,
         )
-        self._persister.check_one_bundle_per_step(position)
-        self._catalog.check_step(step)
+        self._catalog.check_save(position)
         states, staged = stage_layers(
             self.objects,
             self._staging,
@@ -308,7 +308,6 @@ class Checkpointer:
             overlap=self.config.overlap,
         )
         try:
-            self._catalog.own_step(step)
             self._schedule.saved(position)
             stall = time.perf_counter() - started
             pending = self._persister.submit(

@@ -30,6 +30,9 @@ def run_migrations() -> None:
 
 def _migrate(connection: object) -> None:
     is_postgres = connection.dialect.name == "postgresql"  # type: ignore[attr-defined]
+    is_sqlite = connection.dialect.name == "sqlite"  # type: ignore[attr-defined]
+    if is_sqlite:
+        _sqlite_foreign_keys(connection, on=False)
     if is_postgres:
         connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _LOCK_KEY})  # type: ignore[attr-defined]
         connection.commit()  # type: ignore[attr-defined]
@@ -46,6 +49,18 @@ def _migrate(connection: object) -> None:
         if is_postgres:
             connection.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _LOCK_KEY})  # type: ignore[attr-defined]
             connection.commit()  # type: ignore[attr-defined]
+        if is_sqlite:
+            _sqlite_foreign_keys(connection, on=True)
+
+
+def _sqlite_foreign_keys(connection: object, *, on: bool) -> None:
+    """Turn SQLite's foreign keys off for the migrations, and on again. A batch migration
+    copies a table and drops the old one: with foreign keys on, the drop deletes every row
+    that references it ON DELETE CASCADE (a bundle's layers and saves). The pragma does
+    nothing inside a transaction, so it goes to the driver between transactions."""
+    connection.commit()  # type: ignore[attr-defined]
+    raw = connection.connection.dbapi_connection  # type: ignore[attr-defined]
+    raw.execute(f"PRAGMA foreign_keys = {'ON' if on else 'OFF'}")
 
 
 run_migrations()

@@ -48,7 +48,7 @@ def rebuild(context: Context) -> RebuildReport:
         found = [
             o.key
             for o in context.store.list_objects("runs/")
-            if keys.manifest_step(o.key) is not None
+            if keys.manifest_position(o.key) is not None
         ]
         for key in found:
             try:
@@ -62,7 +62,7 @@ def rebuild(context: Context) -> RebuildReport:
         raise StoreUnavailableError(f"cannot read the store: {err}") from err
     for run, manifests in sorted(by_run.items()):
         report.runs += 1
-        _rebuild_run(context, run, sorted(manifests, key=lambda m: m.step), report)
+        _rebuild_run(context, run, sorted(manifests, key=lambda m: m.position), report)
     return report
 
 
@@ -71,14 +71,14 @@ def _rebuild_run(
 ) -> None:
     with context.transaction() as session:
         run, _ = runs_repository.ensure_run(session, name=name)
-        present = repository.run_steps(session, run_id=run.id, statuses=list(BundleStatus))
+        present = repository.run_positions(session, run_id=run.id, statuses=list(BundleStatus))
         new_ids: dict[int, int] = {}  # the manifest's catalog id -> the rebuilt bundle's id
         previous: int | None = None
         newest = None
         for manifest in manifests:
-            if manifest.step in present:
+            if manifest.position in present:
                 report.skipped += 1
-                previous = present[manifest.step].id
+                previous = present[manifest.position].id
                 continue
             complete = _blobs_present(context, manifest) and not _damaged(session, manifest)
             ref = manifest.catalog
@@ -87,14 +87,16 @@ def _rebuild_run(
             if ref:
                 new_ids[ref.bundle_id] = bundle.id
             _renumber(context, session_bundle=bundle, manifest=manifest, parent=parent)
-            label = f"{name}@{manifest.step}"
+            label = f"{name}@{manifest.step}" + (
+                f".{manifest.micro_step}" if manifest.micro_step else ""
+            )
             (report.added if complete else report.failed).append(label)
             previous = bundle.id
             if complete:
                 newest = bundle
         if newest is not None:
             head = session.get(type(newest), run.head_bundle_id) if run.head_bundle_id else None
-            if head is None or head.step < newest.step:
+            if head is None or (head.step, head.micro_step) < (newest.step, newest.micro_step):
                 run.head_bundle_id = newest.id
 
 
@@ -108,6 +110,7 @@ def _add_bundle(
         attempt_id=None,
         parent_id=parent,
         step=manifest.step,
+        micro_step=manifest.micro_step,
         world_size=manifest.world_size,
         status=BundleStatus.COMPLETE if complete else BundleStatus.FAILED,
         reason=None if complete else "rebuilt: blobs missing from the store, or damaged",
@@ -143,7 +146,7 @@ def _renumber(
     )
     session_bundle.manifest = renumbered.model_dump(mode="json")
     context.store.put(
-        keys.manifest_key(manifest.run, manifest.step),
+        keys.manifest_key(manifest.run, *manifest.position),
         [renumbered.model_dump_json(indent=1).encode()],
     )
 

@@ -15,6 +15,7 @@ class Kept(NamedTuple):
     step: int
     committed_at: datetime
     pinned: bool
+    micro_step: int = 0  # a save mid-accumulation; retention counts it as its step's
 
 
 def to_delete(

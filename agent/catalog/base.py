@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from agent.attempt.notices import Notice
+from agent.save.policy import Position
 from agent.save.upload import HeldBlobs
 from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
 
@@ -33,16 +34,17 @@ class Catalog(Protocol):
         """These blobs were read back from the store and matched their SHA-256."""
         ...
 
-    def check_step(self, step: int) -> None:
-        """Raise ``BundleExistsError`` when a save at ``step`` would replace a bundle this
-        process neither resumed from nor wrote."""
+    def check_save(self, position: Position) -> None:
+        """Raise ``BundleExistsError`` when a save at ``position`` would replace a resumable
+        bundle of another job: this process did not resume the run to before it."""
         ...
 
-    def own_step(self, step: int) -> None:
-        """This process resumed from, or is writing, the bundle at ``step``."""
+    def resumed(self, position: Position) -> None:
+        """This process resumed the run's own bundle at ``position`` (every layer): it
+        continues the run from there, and every later position is its to save."""
         ...
 
-    def commit(self, upload: Upload, *, step: int) -> Manifest:
+    def commit(self, upload: Upload, *, position: Position) -> Manifest:
         """Upload through ``upload``, record every layer and commit: the bundle's manifest."""
         ...
 

@@ -121,7 +121,14 @@ class ControlPlane:
         return Manifest.model_validate(body["manifest"])
 
     def open_bundle(
-        self, run: str, *, attempt: Registration, step: int, world_size: int, versions: Versions
+        self,
+        run: str,
+        *,
+        attempt: Registration,
+        step: int,
+        micro_step: int,
+        world_size: int,
+        versions: Versions,
     ) -> int:
         body = self._call(
             "POST",
@@ -130,6 +137,7 @@ class ControlPlane:
                 "attempt_id": attempt.attempt_id,
                 "epoch": attempt.epoch,
                 "step": step,
+                "micro_step": micro_step,
                 "world_size": world_size,
                 "versions": versions.model_dump(mode="json"),
             },

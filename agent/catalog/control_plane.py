@@ -19,6 +19,7 @@ from agent.catalog.client import ControlPlane, IncompleteCommitError, IntactBlob
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
 from agent.ranks.base import MEET_SECONDS, Ranks
+from agent.save.policy import Position
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
 from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
 
@@ -92,17 +93,17 @@ class ControlPlaneCatalog:
     def verified(self, blobs: Iterable[str]) -> None:
         return None  # the control plane keeps what it verified
 
-    def check_step(self, step: int) -> None:
+    def check_save(self, position: Position) -> None:
         return None  # the control plane refuses what would not extend the run's head
 
-    def own_step(self, step: int) -> None:
-        return None
+    def resumed(self, position: Position) -> None:
+        return None  # the attempt's registration says where it resumed
 
-    def commit(self, upload: Upload, *, step: int) -> Manifest:
-        """One bundle per attempt and step (the checkpointer saves a step once)."""
-        return self._commit_new(self.attempt.current(), step, upload)
+    def commit(self, upload: Upload, *, position: Position) -> Manifest:
+        """One bundle per attempt and position (the checkpointer saves a position once)."""
+        return self._commit_new(self.attempt.current(), position, upload)
 
-    def _commit_new(self, attempt: Registration, step: int, upload: Upload) -> Manifest:
+    def _commit_new(self, attempt: Registration, position: Position, upload: Upload) -> Manifest:
         """Rank 0 opens; every rank uploads what the store lacks and records its layers; once
         every rank has, rank 0 commits. A commit that finds blobs gone (collected while this
         save deduplicated against them) has them uploaded again."""
@@ -110,7 +111,8 @@ class ControlPlaneCatalog:
             lambda: self.control.open_bundle(
                 self._run,
                 attempt=attempt,
-                step=step,
+                step=position.step,
+                micro_step=position.micro_step,
                 world_size=self._ranks.world_size,
                 versions=versions(),
             ),

@@ -31,14 +31,16 @@ def write_manifest(
     store: ObjectStore,
     *,
     run: str,
-    step: int,
+    position: tuple[int, int],
     world_size: int,
     ranks: Mapping[int, Mapping[Layer, LayerRecord]],
 ) -> Manifest:
     """Write the manifest, last: from now on the bundle is resumable."""
+    step, micro_step = position
     manifest = Manifest(
         run=run,
         step=step,
+        micro_step=micro_step,
         world_size=world_size,
         created_at=datetime.now(UTC).isoformat(),
         versions=versions(),
@@ -48,16 +50,18 @@ def write_manifest(
     )
     missing = missing_parts(manifest)
     assert not missing, f"refusing to commit an incomplete bundle: {missing}"
-    store.put(keys.manifest_key(run, step), [manifest.model_dump_json(indent=1).encode()])
+    store.put(
+        keys.manifest_key(run, step, micro_step), [manifest.model_dump_json(indent=1).encode()]
+    )
     return manifest
 
 
 def bundle_name(manifest: Manifest) -> str:
-    return bundle_name_at(manifest.run, manifest.step)
+    return bundle_name_at(manifest.run, manifest.position)
 
 
-def bundle_name_at(run: str, step: int) -> str:
-    return keys.manifest_key(run, step).removesuffix("/manifest.json")
+def bundle_name_at(run: str, position: tuple[int, int]) -> str:
+    return keys.bundle_key(run, *position)
 
 
 def load_manifest(store: ObjectStore, key: str) -> Manifest:
@@ -72,30 +76,40 @@ def load_manifest(store: ObjectStore, key: str) -> Manifest:
         raise BundleFormatError(f"{key}: not a valid ckpt manifest: {err}") from err
 
 
-def latest_manifest(store: ObjectStore, run: str, *, below: int | None = None) -> Manifest | None:
-    """The newest bundle of ``run`` (below step ``below``) whose manifest is valid and
-    complete, or None.
+def latest_manifest(
+    store: ObjectStore, run: str, *, below: tuple[int, int] | None = None
+) -> Manifest | None:
+    """The newest bundle of ``run`` (before position ``below``: (step, micro step)) whose
+    manifest is valid and complete, or None.
 
     Blobs without a manifest (an interrupted save) are not bundles and are ignored; a
     manifest that fails validation is skipped with a warning.
     """
-    steps = {key: keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(run))}
+    found = {key: keys.manifest_position(key) for key in store.list_keys(keys.bundles_prefix(run))}
     manifests = {
-        key: step
-        for key, step in steps.items()
-        if step is not None and (below is None or step < below)
+        key: position
+        for key, position in found.items()
+        if position is not None and (below is None or position < below)
     }
     for key in sorted(manifests, key=manifests.__getitem__, reverse=True):
-        try:
-            manifest = load_manifest(store, key)
-        except BundleFormatError as err:
-            log.warning("skipping unreadable bundle: %s", err)
-            continue
-        if manifest.run != run or missing_parts(manifest):
-            log.warning("skipping %s: it is incomplete or belongs to another run", key)
-            continue
-        return manifest
+        manifest = usable_manifest(store, run, key)
+        if manifest is not None:
+            return manifest
     return None
+
+
+def usable_manifest(store: ObjectStore, run: str, key: str) -> Manifest | None:
+    """The manifest at ``key`` if it is a valid, complete manifest of ``run``; else None,
+    with a warning (a resume skips it, and a save at its position replaces it)."""
+    try:
+        manifest = load_manifest(store, key)
+    except BundleFormatError as err:
+        log.warning("skipping unreadable bundle: %s", err)
+        return None
+    if manifest.run != run or missing_parts(manifest):
+        log.warning("skipping %s: it is incomplete or belongs to another run", key)
+        return None
+    return manifest
 
 
 def layer_record(manifest: Manifest, *, rank: int, layer: Layer) -> LayerRecord:

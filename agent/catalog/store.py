@@ -1,9 +1,10 @@
 """Store-only: the manifests in the store are the catalog.
 
 A bundle is committed by writing its manifest last; the newest valid, complete manifest is
-the one to resume from; a bundle that fails verification is skipped (its step is saved
-again, replacing it). Without a control plane there are no attempts and no fencing: one
-job per run name.
+the one to resume from. A process that resumed the run owns every later position: a bundle
+there was skipped by the resume (incomplete, unreadable, damaged) or belongs to the branch
+the resume abandoned, and is saved again, replacing it. Without a control plane there are
+no attempts and no fencing: one job per run name.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 
 from agent.attempt.notices import Notice
 from agent.catalog.base import Upload
-from agent.catalog.manifests import latest_manifest, write_manifest
+from agent.catalog.manifests import latest_manifest, usable_manifest, write_manifest
 from agent.ranks.base import MEET_SECONDS, Ranks
+from agent.save.policy import Position
 from agent.save.upload import HeldBlobs
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, RankRecord, SaveFigures
 from ckpt.core.errors import BundleExistsError, CkptError, RankError, StoreError
@@ -29,12 +31,12 @@ class StoreCatalog:
 
     def __init__(self, store: ObjectStore, *, run: str, ranks: Ranks) -> None:
         self._store, self._run, self._ranks = store, run, ranks
-        self._own_steps: set[int] = set()  # steps of bundles this process resumed or wrote
+        self._resumed_at: Position | None = None  # where this process continues the run
         self._verified: set[str] = set()  # blobs known to be intact in the store
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
         def find() -> Manifest | None:
-            below = None if step is None else step + 1
+            below = None if step is None else (step + 1, 0)
             found = latest_manifest(self._store, run, below=below)
             return found if step is None or (found and found.step == step) else None
 
@@ -43,30 +45,32 @@ class StoreCatalog:
     def fall_back(
         self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
     ) -> Manifest | None:
-        if own:  # the rotten bundle's step is saved again, replacing it
-            self._own_steps.add(manifest.step)
+        # The rotten bundle stays until the resumed run reaches its position again and
+        # replaces it (``check_save``).
         return self._ranks.from_first(
-            lambda: latest_manifest(self._store, run, below=manifest.step), timeout=MEET_SECONDS
+            lambda: latest_manifest(self._store, run, below=manifest.position),
+            timeout=MEET_SECONDS,
         )
 
     def verified(self, blobs: Iterable[str]) -> None:
         self._verified.update(blobs)
 
-    def check_step(self, step: int) -> None:
-        if step in self._own_steps:
+    def check_save(self, position: Position) -> None:
+        if self._resumed_at is not None and position > self._resumed_at:
             return
-        if self._store.size(keys.manifest_key(self._run, step)) is None:
-            return
+        key = keys.manifest_key(self._run, position.step, position.micro_step)
+        if self._store.size(key) is None or usable_manifest(self._store, self._run, key) is None:
+            return  # nothing to resume from there: replace it
         raise BundleExistsError(
-            f"run {self._run} already has a bundle at step {step} that this process "
-            "neither resumed from nor wrote; saving would replace it. Resume the run first "
-            "(all layers), or warm-start a new run: resume(from_run=..., layers=[...])"
+            f"run {self._run} already has a bundle at {position} that this process did not "
+            "resume from; saving would replace it. Resume the run first (all layers), or "
+            "warm-start a new run: resume(from_run=..., layers=[...])"
         )
 
-    def own_step(self, step: int) -> None:
-        self._own_steps.add(step)
+    def resumed(self, position: Position) -> None:
+        self._resumed_at = position
 
-    def commit(self, upload: Upload, *, step: int) -> Manifest:
+    def commit(self, upload: Upload, *, position: Position) -> Manifest:
         """Every rank uploads its layers (and, in a job of many ranks, writes its rank record
         next to the manifest); once every rank has, rank 0 writes the manifest, last."""
         failure: CkptError | None = None
@@ -74,37 +78,38 @@ class StoreCatalog:
             records = upload(store_held(self._store, self._verified))
             self._verified.update(b.sha256 for record in records.values() for b in record.blobs)
             if self._ranks.world_size > 1:
-                self._put_rank_record(step, records)
+                self._put_rank_record(position, records)
         except CkptError as err:
             failure = err
         if not self._ranks.all_ok(failure is None, timeout=MEET_SECONDS):
             if failure is not None:
                 raise failure
-            raise RankError(f"run {self._run} step {step}: another rank failed to save")
+            raise RankError(f"run {self._run} {position}: another rank failed to save")
         return self._ranks.from_first(
             lambda: write_manifest(
                 self._store,
                 run=self._run,
-                step=step,
+                position=(position.step, position.micro_step),
                 world_size=self._ranks.world_size,
-                ranks=self._rank_records(step, records),
+                ranks=self._rank_records(position, records),
             ),
             timeout=MEET_SECONDS,
         )
 
-    def _put_rank_record(self, step: int, records: Mapping[Layer, LayerRecord]) -> None:
+    def _put_rank_record(self, position: Position, records: Mapping[Layer, LayerRecord]) -> None:
         record = RankRecord(rank=self._ranks.rank, layers=dict(records))
-        key = keys.rank_record_key(self._run, step, self._ranks.rank)
+        key = keys.rank_record_key(self._run, position.step, position.micro_step, self._ranks.rank)
         self._store.put(key, [record.model_dump_json().encode()])
 
     def _rank_records(
-        self, step: int, mine: Mapping[Layer, LayerRecord]
+        self, position: Position, mine: Mapping[Layer, LayerRecord]
     ) -> dict[int, Mapping[Layer, LayerRecord]]:
         """Every rank's records: this rank's, and the others' from their rank records."""
         found: dict[int, Mapping[Layer, LayerRecord]] = {self._ranks.rank: mine}
         for rank in range(self._ranks.world_size):
             if rank not in found:
-                data = self._store.get(keys.rank_record_key(self._run, step, rank))
+                key = keys.rank_record_key(self._run, position.step, position.micro_step, rank)
+                data = self._store.get(key)
                 found[rank] = RankRecord.model_validate_json(data).layers
         return found
 

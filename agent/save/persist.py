@@ -34,7 +34,7 @@ from agent.save.upload import (
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
 from ckpt.core.contract import Layer, LayerRecord
-from ckpt.core.errors import BundleExistsError, CkptError, StateChangedError
+from ckpt.core.errors import CkptError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
 
@@ -57,7 +57,6 @@ class Persister:
     ) -> None:
         self.in_flight: PendingSave | None = None
         self.durable_at: Position | None = None  # where this process's newest bundle is
-        self.saved: dict[int, Position] = {}  # the bundles this process committed, by step
         self.save_seconds: float | None = None  # stall + persist of the last durable save
         self._run, self._store, self._catalog = run, store, catalog
         self._blob_bytes, self._ranks, self._quiet = blob_bytes, ranks, quiet
@@ -80,7 +79,7 @@ class Persister:
             self._persist, states, staged, step=step, stall=stall, position=position
         )
         self.in_flight = PendingSave(
-            bundle=bundle_name_at(self._run, step), step=step, stall_seconds=stall, future=future
+            bundle=self._name(position), step=step, stall_seconds=stall, future=future
         )
         return self.in_flight
 
@@ -137,21 +136,6 @@ class Persister:
         self.wait()
         return True
 
-    def check_one_bundle_per_step(self, position: Position) -> None:
-        """A run keeps one bundle per step from each attempt: a second save at another micro
-        step of a step saved already is refused, loudly, rather than dropped or replacing it.
-
-        Raises:
-            BundleExistsError: this process saved another micro step of the step.
-        """
-        saved = self.saved.get(position.step)
-        if saved is not None:
-            raise BundleExistsError(
-                f"run {self._run}: this process saved {saved} already; a run keeps one "
-                f"bundle per step from each attempt, so {position} is not saved. Save again at "
-                "a later step"
-            )
-
     def resumed_at(self, position: Position) -> None:
         """The bundle a resume restored is durable at ``position``."""
         self.durable_at = position
@@ -159,11 +143,11 @@ class Persister:
     def already_durable(self) -> PendingSave:
         """A save of the position that is durable already: done, and nothing written."""
         assert self.durable_at is not None
-        step = self.durable_at.step
+        step, name = self.durable_at.step, self._name(self.durable_at)
         future: Future[SaveResult] = Future()
         future.set_result(
             SaveResult(
-                bundle=bundle_name_at(self._run, step),
+                bundle=name,
                 step=step,
                 payload_bytes=0,
                 new_bytes=0,
@@ -171,9 +155,7 @@ class Persister:
                 persist_seconds=0.0,
             )
         )
-        return PendingSave(
-            bundle=bundle_name_at(self._run, step), step=step, stall_seconds=0.0, future=future
-        )
+        return PendingSave(bundle=name, step=step, stall_seconds=0.0, future=future)
 
     def close(self) -> None:
         """Release the thread, after the save in flight (if any) ends."""
@@ -192,15 +174,20 @@ class Persister:
         stats = WriteStats()
         hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
         total = sum(t.nbytes for t in staged.tensors.values())
-        progress = Progress(f"ckpt: saving {bundle_name_at(self._run, step)}", total)
+        progress = Progress(f"ckpt: saving {self._name(position)}", total)
         try:
             staged.finish()
             upload = self._uploader(
-                states, step=step, staged=staged, stats=stats, hashes=hashes, progress=progress
+                states,
+                name=self._name(position),
+                staged=staged,
+                stats=stats,
+                hashes=hashes,
+                progress=progress,
             )
-            manifest = self._catalog.commit(upload, step=step)
+            manifest = self._catalog.commit(upload, position=position)
         except Exception:
-            log.exception("run %s: saving %s failed", self._run, bundle_name_at(self._run, step))
+            log.exception("run %s: saving %s failed", self._run, self._name(position))
             raise
         finally:
             staged.release(check=False)  # never leave the next optimizer step waiting
@@ -218,7 +205,6 @@ class Persister:
             step_wait_seconds=staged.step_wait_seconds,
         )
         self.durable_at = position
-        self.saved[step] = position
         self.save_seconds = result.stall_seconds + result.persist_seconds
         self._announce(result, position)
         self._report(manifest.catalog.bundle_id if manifest.catalog else None, result)
@@ -228,7 +214,7 @@ class Persister:
         self,
         states: Mapping[Layer, LayerState],
         *,
-        step: int,
+        name: str,
         staged: Staged,
         stats: WriteStats,
         hashes: BlobHashes,
@@ -240,7 +226,7 @@ class Persister:
         def upload(held: HeldBlobs) -> dict[Layer, LayerRecord]:
             if staged.held and staged.released:
                 raise StateChangedError(
-                    f"{bundle_name_at(self._run, step)}: the store lost blobs of this save "
+                    f"{name}: the store lost blobs of this save "
                     "before its commit, and the tensors it read in place (over the staging "
                     "budget) may have changed since: the save is not kept"
                 )
@@ -265,6 +251,9 @@ class Persister:
             return records
 
         return upload
+
+    def _name(self, position: Position) -> str:
+        return bundle_name_at(self._run, (position.step, position.micro_step))
 
     def _share(self) -> Share | None:
         """How this save's replicated layers are split among the ranks (None: no such)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Position:
-    """Where in the run a save lands."""
+    """Where in the run a save lands; positions order by (step, micro step)."""
 
     step: int
     micro_step: int
@@ -36,6 +36,6 @@ class SavePolicy:
         by_time = (
             self.every_seconds is not None
             and seconds_since_last >= self.every_seconds
-            and (last is None or position.step > last.step)  # one bundle per step
+            and (last is None or position.step > last.step)  # the policy saves a step once
         )
         return by_steps or by_time

@@ -160,6 +160,9 @@ class Manifest(_Frozen):
     format: str = MANIFEST_FORMAT
     run: str
     step: Annotated[int, Field(ge=0, le=MAX_STEP, strict=True)]
+    # Which micro-batch of the step's gradient accumulation (0: at the step's start); a
+    # bundle is named by its position, (step, micro step).
+    micro_step: Annotated[int, Field(ge=0, le=MAX_STEP, strict=True)] = 0
     world_size: Annotated[int, Field(ge=1, strict=True)]
     created_at: str
     versions: Versions
@@ -178,6 +181,11 @@ class Manifest(_Frozen):
                 f"ranks {ranks} must be distinct and below world_size {self.world_size}"
             )
         return self
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(step, micro step): where in the run this bundle was saved; bundles order by it."""
+        return (self.step, self.micro_step)
 
 
 Seconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False, strict=True)]

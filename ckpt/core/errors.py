@@ -5,7 +5,7 @@
     ├── BundleFormatError          restore: a payload or manifest is malformed or uses an unknown tag
     ├── CorruptBundleError         restore: a blob is missing, has the wrong size or the wrong SHA-256
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
-    ├── BundleExistsError          save: the run has another bundle at this step; refusing a second one
+    ├── BundleExistsError          save: store-only, a resumable bundle at this position that this process did not resume past
     ├── RankError                  the ranks of a job could not meet, or disagree (a step, a result)
     ├── StoreError                 the object store failed to read or write a key
     │   └── BadObjectError         the store answered: no such key, or an object too large
@@ -49,9 +49,9 @@ class IncompatibleBundleError(CkptError):
 
 
 class BundleExistsError(CkptError):
-    """The run has a bundle at this step already: one this process did not resume from or
-    write (saving would replace it), or one it saved at another micro step (one bundle per
-    step and attempt)."""
+    """Store-only, the run has a resumable bundle at this position (step, micro step) and
+    this process did not resume the run from before it: saving would replace the run's
+    history (a warm start into the same run, or a job that did not call ``resume()``)."""
 
 
 class RankError(CkptError):

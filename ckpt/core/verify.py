@@ -58,19 +58,19 @@ def find_manifest(store: ObjectStore, run: str, *, step: int | None) -> Manifest
 
 
 def _newest_complete(store: ObjectStore, run: str) -> Manifest:
-    steps = [keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(run))]
-    found = sorted((s for s in steps if s is not None), reverse=True)
+    keyed = {key: keys.manifest_position(key) for key in store.list_keys(keys.bundles_prefix(run))}
+    found = sorted(((p, k) for k, p in keyed.items() if p is not None), reverse=True)
     if not found:
         raise LookupError(f"run {run} has no bundle in {store.url}")
-    for step in found:
+    for _, key in found:
         try:
-            manifest = find_manifest(store, run, step=step)
-        except LookupError:
+            manifest = Manifest.model_validate_json(store.get(key))
+        except (StoreError, ValidationError):
             continue
         if not missing_parts(manifest):
             return manifest
     raise LookupError(
-        f"run {run} has no complete bundle in {store.url} (the newest, at step {found[0]}, "
+        f"run {run} has no complete bundle in {store.url} (the newest, at step {found[0][0][0]}, "
         f"lacks parts or does not parse): a resume would start it from scratch"
     )
 
@@ -87,7 +87,7 @@ def verify(
         for blob in record.blobs
     }
     report = Verified(
-        bundle=keys.manifest_key(manifest.run, manifest.step),
+        bundle=keys.manifest_key(manifest.run, *manifest.position),
         run=manifest.run,
         step=manifest.step,
         missing=[f"rank {rank} {layer}" for rank, layer in missing_parts(manifest)],

@@ -249,7 +249,7 @@ def _write_manifest(store: ObjectStore, manifest: Manifest) -> None:
     always has its manifest in the store."""
     try:
         store.put(
-            keys.manifest_key(manifest.run, manifest.step),
+            keys.manifest_key(manifest.run, *manifest.position),
             [manifest.model_dump_json(indent=1).encode()],
         )
     except StoreError as err:
@@ -320,6 +320,7 @@ def _manifest(
     return Manifest(
         run=run.name,
         step=bundle.step,
+        micro_step=bundle.micro_step,
         world_size=bundle.world_size,
         created_at=bundle.created_at.isoformat(),
         versions=Versions.model_validate(bundle.versions),

@@ -4,7 +4,7 @@ from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.models import (
@@ -28,27 +28,41 @@ def get_bundle(session: Session, *, bundle_id: int, lock: Lock = Lock.NONE) -> B
     return session.scalar(locked(select(Bundle).where(Bundle.id == bundle_id), lock))
 
 
-def find_bundle(session: Session, *, attempt_id: int, step: int) -> Bundle | None:
+def find_bundle(session: Session, *, attempt_id: int, position: tuple[int, int]) -> Bundle | None:
+    """The attempt's bundle at this (step, micro step)."""
+    step, micro_step = position
     return session.scalar(
-        select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.step == step)
+        select(Bundle).where(
+            Bundle.attempt_id == attempt_id, Bundle.step == step, Bundle.micro_step == micro_step
+        )
     )
 
 
 def latest_of_attempt(
-    session: Session, *, attempt_id: int, statuses: Collection[str], below_step: int | None = None
+    session: Session,
+    *,
+    attempt_id: int,
+    statuses: Collection[str],
+    below: tuple[int, int] | None = None,
 ) -> Bundle | None:
+    """The attempt's newest bundle in these statuses (before position ``below``)."""
     query = select(Bundle).where(Bundle.attempt_id == attempt_id, Bundle.status.in_(statuses))
-    if below_step is not None:
-        query = query.where(Bundle.step < below_step)
-    return session.scalar(query.order_by(Bundle.step.desc(), Bundle.id.desc()).limit(1))
+    if below is not None:
+        step, micro_step = below
+        query = query.where(
+            or_(Bundle.step < step, and_(Bundle.step == step, Bundle.micro_step < micro_step))
+        )
+    newest = (Bundle.step.desc(), Bundle.micro_step.desc(), Bundle.id.desc())
+    return session.scalar(query.order_by(*newest).limit(1))
 
 
 def insert_bundle(session: Session, **values: object) -> bool:
-    """Insert a pending bundle unless its (attempt, step) exists; whether it was inserted."""
+    """Insert a pending bundle unless its (attempt, step, micro step) exists; whether it was
+    inserted."""
     result = session.execute(
         insert(session, Bundle)
         .values(status=BundleStatus.PENDING, pinned=False, created_at=utcnow(), **values)
-        .on_conflict_do_nothing(index_elements=["attempt_id", "step"])
+        .on_conflict_do_nothing(index_elements=["attempt_id", "step", "micro_step"])
         .returning(Bundle.id)
     )
     # rowcount is -1 on some drivers for INSERT .. ON CONFLICT; a returned row is not.
@@ -349,11 +363,14 @@ def _count_bundle(session: Session, *, run_id: object) -> None:
     )
 
 
-def run_steps(session: Session, *, run_id: int, statuses: Collection[str]) -> dict[int, Bundle]:
-    """The run's bundles in these statuses by step (the newest id wins a shared step)."""
+def run_positions(
+    session: Session, *, run_id: int, statuses: Collection[str]
+) -> dict[tuple[int, int], Bundle]:
+    """The run's bundles in these statuses by (step, micro step) (the newest id wins a
+    shared position)."""
     rows = session.scalars(
         select(Bundle)
         .where(Bundle.run_id == run_id, Bundle.status.in_(statuses))
         .order_by(Bundle.id)
     )
-    return {bundle.step: bundle for bundle in rows}
+    return {(bundle.step, bundle.micro_step): bundle for bundle in rows}

@@ -21,6 +21,11 @@ class BundleOpen(_Request):
     attempt_id: Id
     epoch: Epoch
     step: Step
+    micro_step: Step = Field(
+        default=0,
+        description="the micro step of the step's gradient accumulation it is saved at; a "
+        "bundle is named by its position (step, micro step)",
+    )
     # 16384 ranks: the largest jobs of today; a 409 then lists up to 98304 missing parts.
     world_size: Annotated[int, Field(ge=1, le=16384, strict=True)]
     versions: Versions
@@ -97,6 +102,7 @@ class BundleOut(BaseModel):
     id: int
     run: str
     step: int
+    micro_step: int
     world_size: int
     status: str
     reason: str | None

@@ -38,7 +38,8 @@ from service.sql import Lock
 def open_bundle(
     context: Context, principal: Principal, *, name: str, request: BundleOpen
 ) -> BundleOut:
-    """Open a pending bundle at ``step`` for the live attempt (a retry returns the same one)."""
+    """Open a pending bundle at (``step``, ``micro_step``) for the live attempt (a retry
+    returns the same one)."""
     require_write(principal, name)
     with context.transaction() as session:
         run = runs_repository.get_run(session, name=name, lock=Lock.UPDATE)
@@ -46,14 +47,15 @@ def open_bundle(
         if run is None or attempt is None or attempt.run_id != run.id:
             raise NotFoundError(f"run {name!r} has no attempt {request.attempt_id}")
         check_epoch(context, run, attempt=attempt, claimed=request.epoch)
-        found = repository.find_bundle(session, attempt_id=attempt.id, step=request.step)
+        position = (request.step, request.micro_step)
+        found = repository.find_bundle(session, attempt_id=attempt.id, position=position)
         if found is None:
-            _check_extends_head(session, run, attempt, step=request.step)
+            _check_extends_head(session, run, attempt, position=position)
             parent = repository.latest_of_attempt(
                 session,
                 attempt_id=attempt.id,
                 statuses=(BundleStatus.PENDING, BundleStatus.COMPLETE),
-                below_step=request.step,
+                below=position,
             )
             inserted = repository.insert_bundle(
                 session,
@@ -61,10 +63,11 @@ def open_bundle(
                 attempt_id=attempt.id,
                 parent_id=parent.id if parent else attempt.resumed_from_id,
                 step=request.step,
+                micro_step=request.micro_step,
                 world_size=request.world_size,
                 versions=request.versions.model_dump(mode="json"),
             )
-            found = repository.find_bundle(session, attempt_id=attempt.id, step=request.step)
+            found = repository.find_bundle(session, attempt_id=attempt.id, position=position)
             assert found is not None
             if inserted:
                 events.record(session, found, actor=principal.actor, action=Action.OPENED)
@@ -224,6 +227,7 @@ def bundle_out(
         id=bundle.id,
         run=run.name,
         step=bundle.step,
+        micro_step=bundle.micro_step,
         world_size=bundle.world_size,
         status=bundle.status,
         reason=bundle.reason,
@@ -279,9 +283,11 @@ def _insert_layer(
     return inserted
 
 
-def _check_extends_head(session: Session, run: Run, attempt: Attempt, *, step: int) -> None:
+def _check_extends_head(
+    session: Session, run: Run, attempt: Attempt, *, position: tuple[int, int]
+) -> None:
     """A new bundle must continue the live branch: after what the attempt resumed from or
-    already opened (a lower step would move the head backwards)."""
+    already opened (an earlier position would move the head backwards)."""
     base = repository.latest_of_attempt(session, attempt_id=attempt.id, statuses=list(BundleStatus))
     base = base or (
         session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None
@@ -293,11 +299,18 @@ def _check_extends_head(session: Session, run: Run, attempt: Attempt, *, step: i
             f"{attempt.id} did not resume from; saving would fork the run without a base. "
             "Register the attempt with resume=true, roll back, or use a new run"
         )
-    if base is not None and step < base.step:
+    if base is not None and position < (base.step, base.micro_step):
         raise ConflictError(
-            f"step {step} is behind step {base.step}, where attempt {attempt.id} continues "
+            f"{_where(position)} is behind {_where((base.step, base.micro_step))}, where "
+            f"attempt {attempt.id} continues "
             "the run; to go back, roll back to an older bundle first"
         )
+
+
+def _where(position: tuple[int, int]) -> str:
+    """``step 50``, or ``step 50, micro step 2``."""
+    step, micro_step = position
+    return f"step {step}" + (f", micro step {micro_step}" if micro_step else "")
 
 
 def _claim(session: Session, record: LayerRecord) -> None:

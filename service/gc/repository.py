@@ -83,15 +83,21 @@ def kept_in(session: Session, *, run_ids: Collection[int]) -> dict[tuple[int, st
     )
     rows = session.connection().execute(
         select(
-            Bundle.run_id, Bundle.status, Bundle.id, Bundle.step, committed_at, Bundle.pinned
+            Bundle.run_id,
+            Bundle.status,
+            Bundle.id,
+            Bundle.step,
+            committed_at,
+            Bundle.pinned,
+            Bundle.micro_step,
         ).where(
             ids_in(session, Bundle.run_id, run_ids),
             Bundle.status.in_((BundleStatus.COMPLETE, BundleStatus.QUARANTINED)),
         )
     )
     found: dict[tuple[int, str], list[Kept]] = defaultdict(list)
-    for run_id, status, bundle_id, step, at, pinned in rows.all():
-        found[run_id, status].append(Kept(bundle_id, step, at, pinned))
+    for run_id, status, bundle_id, step, at, pinned, micro_step in rows.all():
+        found[run_id, status].append(Kept(bundle_id, step, at, pinned, micro_step))
     return found
 
 
@@ -101,6 +107,7 @@ class Doomed(NamedTuple):
     id: int
     run_id: int
     step: int
+    micro_step: int
 
 
 def set_status(
@@ -116,8 +123,9 @@ def set_status(
 
 def steps_shared(session: Session, *, bundles: Collection[Doomed]) -> set[tuple[int, int]]:
     """The runs' steps of these bundles that another bundle of the same run also has (a fork
-    saved the step again, or two of these share it): their manifest may be another
-    bundle's. Counted by the database, which answers with those few steps only."""
+    saved the step again, or two of these share it, or another micro step of it): their
+    manifest may be another bundle's. Counted by the database, which answers with those few
+    steps only."""
     pairs = {(b.run_id, b.step) for b in bundles}
     rows = session.execute(
         select(Bundle.run_id, Bundle.step)

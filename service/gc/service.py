@@ -123,11 +123,11 @@ def _retain(context: Context, run_ids: list[int], *, dry_run: bool) -> list[int]
         every = [bundle_id for ids in doomed.values() for bundle_id in ids]
         if dry_run:
             return every
-        steps = {b.id: b.step for bundles in kept.values() for b in bundles}
+        positions = {b.id: (b.step, b.micro_step) for bundles in kept.values() for b in bundles}
         by_reason: dict[str, list[repository.Doomed]] = defaultdict(list)  # a reason per policy
         for run in runs:
             by_reason[f"retention ({policies[run.id]})"] += (
-                repository.Doomed(i, run.id, steps[i]) for i in doomed[run.id]
+                repository.Doomed(i, run.id, *positions[i]) for i in doomed[run.id]
             )
         names = {run.id: run.name for run in runs}
         for reason, bundles in by_reason.items():
@@ -185,7 +185,7 @@ def _delete(
         reason=reason,
     )
     shared = repository.steps_shared(session, bundles=bundles)
-    manifests = [(keys.manifest_key(names[b.run_id], b.step), b) for b in bundles]
+    manifests = [(keys.manifest_key(names[b.run_id], b.step, b.micro_step), b) for b in bundles]
     context.store.delete_many(
         list(
             dict.fromkeys(  # two of these bundles may share a step, and a manifest

@@ -41,9 +41,10 @@ LIVE_STATUSES = (BundleStatus.PENDING, BundleStatus.COMPLETE)
 class Bundle(Base):
     __tablename__ = "bundle"
     __table_args__ = (
-        UniqueConstraint("attempt_id", "step"),
+        UniqueConstraint("attempt_id", "step", "micro_step"),  # a bundle is a position
         CheckConstraint(choices("status", BundleStatus), name="status"),
         CheckConstraint("step >= 0", name="step"),
+        CheckConstraint("micro_step >= 0", name="micro_step"),
         CheckConstraint("world_size >= 1", name="world_size"),
         Index(None, "run_id", "status", "step"),
         Index(None, "run_id", "id"),  # a page of a run's lineage: its bundles in id order
@@ -62,6 +63,8 @@ class Bundle(Base):
     attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempt.id", ondelete="SET NULL"))
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("bundle.id", ondelete="SET NULL"))
     step: Mapped[int] = mapped_column(BigInteger)
+    # Which micro-batch of the step's gradient accumulation it was saved at (0: the start).
+    micro_step: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     world_size: Mapped[int]
     status: Mapped[str] = mapped_column(String(16))
     reason: Mapped[str | None] = mapped_column(Text)  # why it failed, was quarantined or deleted

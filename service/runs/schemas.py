@@ -84,6 +84,7 @@ class AttemptCreate(_Request):
 class ResumePoint(BaseModel):
     bundle_id: int
     step: int
+    micro_step: int
     manifest: Manifest
 
 
@@ -244,6 +245,7 @@ class RollbackOut(BaseModel):
 class LineageBundle(BaseModel):
     id: int
     step: int
+    micro_step: int
     status: str
     attempt_id: int | None
     parent_id: int | None

@@ -372,7 +372,10 @@ def resume_point(bundle: Bundle | None) -> ResumePoint | None:
         return None
     assert bundle.manifest is not None, "a complete bundle has a manifest"
     return ResumePoint(
-        bundle_id=bundle.id, step=bundle.step, manifest=Manifest.model_validate(bundle.manifest)
+        bundle_id=bundle.id,
+        step=bundle.step,
+        micro_step=bundle.micro_step,
+        manifest=Manifest.model_validate(bundle.manifest),
     )
 
 

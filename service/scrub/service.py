@@ -154,7 +154,9 @@ class _Pass:
         """Before the first "absent" of a pass that has found nothing present: the store must
         at least hold the bundle's manifest, or it is taken for unmounted."""
         try:
-            manifest = self.context.store.size(keys.manifest_key(run, bundle.step))
+            manifest = self.context.store.size(
+                keys.manifest_key(run, bundle.step, bundle.micro_step)
+            )
         except StoreError as err:
             raise StoreUnavailableError(f"the scrubber cannot read the store: {err}") from err
         if manifest is None:

@@ -252,7 +252,7 @@ def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str,
         held=store_held(store, set()),
     )
     layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
-    write_manifest(store, run="integrity", step=5, world_size=1, ranks={0: layers})
+    write_manifest(store, run="integrity", position=(5, 0), world_size=1, ranks={0: layers})
     with pytest.raises(BundleFormatError):
         make(store)[0].resume()
     assert not marker.exists()

@@ -86,8 +86,12 @@ def drill(store: Path, out: Path, *args: str, env: dict[str, str] | None = None)
 
 
 def bundle_steps(store: Path, run: str = "demo") -> list[int]:
-    found = (keys.manifest_step(key) for key in _keys(store / "runs" / run))
-    return sorted(step for step in found if step is not None)
+    return [step for step, _ in bundle_positions(store, run)]
+
+
+def bundle_positions(store: Path, run: str = "demo") -> list[tuple[int, int]]:
+    found = (keys.manifest_position(key) for key in _keys(store / "runs" / run))
+    return sorted(position for position in found if position is not None)
 
 
 def _keys(root: Path) -> list[str]:
@@ -122,17 +126,19 @@ def test_sigterm_during_a_slow_upload_waits_for_it_and_keeps_it(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     """The save of step 10 is in flight at the signal; the next boundary is 10.1, in the same
-    step: one bundle per step and attempt, so the agent waits for step 10's and keeps it."""
+    step: the agent waits for step 10's and keeps it, then saves 10.1 as a bundle of its own
+    if a save fits what is left of the grace period."""
     store = tmp_path / "store"
     first = drill(
         store, tmp_path / "a.pt", *STEPS, *EVERY, "--slow-store", "0.2", "--signal-at", "10.0"
     )
     assert first.rc == EXIT_PREEMPTED, first.stderr[-3000:]
-    assert "this process saved step 10 already" in first.stderr
-    assert "the last bundle is at step 10;" in first.stderr
-    assert bundle_steps(store)[-2:] == [5, 10]
+    assert "BundleExistsError" not in first.stderr
+    newest = bundle_positions(store)[-1]
+    assert newest in ((10, 0), (10, 1))
+    assert bundle_positions(store)[-2:-1] == ([(5, 0)] if newest == (10, 0) else [(10, 0)])
     resumed = run_trainer(store, tmp_path / "resumed.pt", *STEPS, *EVERY)
-    assert resumed["positions"][0] == (10, 1)
+    assert resumed["positions"][0] == (10, newest[1] + 1)
     assert differences(reference, resumed) == []
 
 

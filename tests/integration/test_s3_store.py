@@ -245,7 +245,9 @@ def test_the_control_plane_verifies_and_serves_bundles_in_s3(s3: S3Server, tmp_p
     assert report["deleted_bundles"] == [b["id"] for b in complete if b is not newest]
     assert report["deleted_blobs"] > 0
     assert head["bundle_id"] == newest["id"]
-    manifests = [k for k in stored.list_keys("runs/s3-run/") if keys.manifest_step(k) is not None]
+    manifests = [
+        k for k in stored.list_keys("runs/s3-run/") if keys.manifest_position(k) is not None
+    ]
     assert manifests == [keys.manifest_key("s3-run", newest["step"])]
     kept = Manifest.model_validate_json(stored.get(manifests[0]))
     needed = {

@@ -53,7 +53,7 @@ class BrokenStore(DirectoryStore):
         self.refused = threading.Event()  # a put failed: the persist holding it will fail
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
-        if self.broken and keys.manifest_step(key) is None:
+        if self.broken and keys.manifest_position(key) is None:
             self.refused.set()
             raise StoreError(f"{self.url}: cannot write {key!r}: injected failure")
         super().put(key, pieces)
@@ -234,8 +234,8 @@ def test_skip_returns_none_while_a_save_is_in_flight_then_saves(
         second.wait(TIMEOUT)
         assert ckpt.maybe_save() is None  # nothing due at the step just saved
 
-    steps = [keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(RUN))]
-    assert steps == [1, 2]
+    found = [keys.manifest_position(key) for key in store.list_keys(keys.bundles_prefix(RUN))]
+    assert found == [(1, 0), (2, 0)]
 
 
 # -- failures -----------------------------------------------------------------------------
@@ -291,8 +291,8 @@ def test_the_next_save_raises_a_failure_once_and_the_one_after_saves(tmp_path: P
         assert failed.done() and not failed.durable
 
     assert store.size(keys.manifest_key(RUN, 1)) is None
-    steps = [keys.manifest_step(key) for key in store.list_keys(keys.bundles_prefix(RUN))]
-    assert steps == [2]
+    found = [keys.manifest_position(key) for key in store.list_keys(keys.bundles_prefix(RUN))]
+    assert found == [(2, 0)]
     assert_same(resumed_state(tmp_path / "store", mlp, step=2), at_step_2)
 
 

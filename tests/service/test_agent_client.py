@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckpt import BundleExistsError, Checkpointer, FencedError
+from ckpt import Checkpointer, FencedError
 from ckpt.core.errors import ControlPlaneError
 from ckpt.core.storage import DirectoryStore, keys
 from tests.service.conftest import Server
@@ -96,13 +96,13 @@ def test_a_save_at_the_durable_position_saves_nothing(same_step_checkpointer: Ch
     assert (result.step, result.payload_bytes, result.new_bytes) == (0, 0, 0)
 
 
-def test_a_second_micro_step_of_a_saved_step_fails_loudly(
-    same_step_checkpointer: Checkpointer, run_name: str
+def test_a_later_micro_step_of_a_saved_step_is_a_new_bundle(
+    same_step_checkpointer: Checkpointer,
 ) -> None:
     ckpt = same_step_checkpointer
     ckpt.counters.micro_step = 2
-    with pytest.raises(BundleExistsError, match=r"saved step 0 already.*step 0, micro step 2"):
-        ckpt.save()
+    later = ckpt.save().wait()
+    assert later.bundle.endswith("/000000000000_000002")
     ckpt.counters.step, ckpt.counters.micro_step = 1, 0
     assert ckpt.save().wait().step == 1  # the next step saves as usual
 

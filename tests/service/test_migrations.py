@@ -310,3 +310,54 @@ def test_runs_get_their_state_activity_and_figures(database_url: str, engine: En
         rows = connection.execute(select(activity).order_by(activity.c.run_id)).all()
     assert [(*row[:-1],) for row in rows] == expected
     assert {row.writes for row in rows} == {1}
+
+
+def test_bundles_keep_their_layers_and_saves_and_are_at_micro_step_zero(
+    database_url: str, engine: Engine
+) -> None:
+    """The migration that names a bundle by (step, micro step) rebuilds the bundle table
+    (SQLite copies it): every bundle and what references it stays, at micro step 0."""
+    command.upgrade(alembic_config(database_url), "2026_12_03_0013")
+    tables = Base.metadata.tables
+    run, attempt, bundle, layer = (tables[n] for n in ("run", "attempt", "bundle", "layer"))
+    with engine.begin() as connection:
+        connection.execute(run.insert().values(id=1, name="run-1", created_at=NOW, epoch=1))
+        connection.execute(attempt.insert().values(id=1, run_id=1, epoch=1, started_at=NOW))
+        connection.execute(
+            bundle.insert().values(
+                id=10,
+                run_id=1,
+                attempt_id=1,
+                step=6,
+                world_size=1,
+                status="complete",
+                pinned=False,
+                created_at=NOW,
+                versions={},
+            )
+        )
+        connection.execute(
+            layer.insert().values(
+                bundle_id=10, rank=0, layer="weights", payload_bytes=1, record={}, recorded_at=NOW
+            )
+        )
+
+    upgrade(database_url)
+
+    assert diff(engine) == []
+    later = {
+        "run_id": 1,
+        "attempt_id": 1,
+        "step": 6,
+        "world_size": 1,
+        "status": "complete",
+        "pinned": False,
+        "created_at": NOW,
+        "versions": {},
+    }
+    with engine.begin() as connection:
+        connection.execute(bundle.insert().values(id=11, micro_step=2, **later))
+        rows = connection.execute(select(bundle.c.id, bundle.c.micro_step)).all()
+        layers = connection.execute(select(layer.c.bundle_id)).all()
+    assert sorted(tuple(row) for row in rows) == [(10, 0), (11, 2)]
+    assert [tuple(row) for row in layers] == [(10,)]

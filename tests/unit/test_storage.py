@@ -371,18 +371,25 @@ def test_manifest_key_pads_the_step() -> None:
     assert keys.manifest_key("r", 7).startswith(keys.bundles_prefix("r"))
 
 
-def test_manifest_keys_sort_by_step() -> None:
-    steps = [3000, 5, 100, 20, 0, 999_999]
+def test_manifest_keys_sort_by_position() -> None:
+    """A later micro step of a step sorts after its micro step 0 and before the next step."""
+    positions = [(3000, 0), (5, 2), (5, 0), (100, 0), (5, 10), (20, 1), (0, 0), (999_999, 0)]
 
-    ordered = sorted(keys.manifest_key("r", step) for step in steps)
+    ordered = sorted(keys.manifest_key("r", *position) for position in positions)
 
-    assert [keys.manifest_step(key) for key in ordered] == sorted(steps)
+    assert [keys.manifest_position(key) for key in ordered] == sorted(positions)
+
+
+def test_micro_step_zero_keeps_the_key_of_a_step() -> None:
+    assert keys.manifest_key("r", 6, 0) == keys.manifest_key("r", 6)
+    assert keys.manifest_key("r", 6, 2) == "runs/r/bundles/000000000006_000002/manifest.json"
 
 
 @settings(database=None, deadline=None)
-@given(st.integers(0, 10**12 - 1))
-def test_manifest_step_parses_manifest_key(step: int) -> None:
-    assert keys.manifest_step(keys.manifest_key("run.v2_x", step)) == step
+@given(st.integers(0, 10**12 - 1), st.integers(0, 10**7))
+def test_manifest_position_parses_manifest_key(step: int, micro_step: int) -> None:
+    key = keys.manifest_key("run.v2_x", step, micro_step)
+    assert keys.manifest_position(key) == (step, micro_step)
 
 
 @pytest.mark.parametrize(
@@ -396,11 +403,14 @@ def test_manifest_step_parses_manifest_key(step: int) -> None:
         "runs//bundles/000000000042/manifest.json",
         "x/runs/r/bundles/000000000042/manifest.json",
         "runs/r/bundles/00000000004a/manifest.json",
+        "runs/r/bundles/000000000042_/manifest.json",
+        "runs/r/bundles/000000000042_2/manifest.json",
+        "runs/r/bundles/000000000042/rank-00000.json",
         "",
     ],
 )
-def test_manifest_step_is_none_for_other_keys(key: str) -> None:
-    assert keys.manifest_step(key) is None
+def test_manifest_position_is_none_for_other_keys(key: str) -> None:
+    assert keys.manifest_position(key) is None
 
 
 @pytest.mark.parametrize("run", ["a", "Run-1", "llama_7b.v2", "0", "a" * 128])
@@ -440,9 +450,9 @@ def test_run_names_with_newlines_are_refused(run: str) -> None:
         keys.check_run_name(run)
 
 
-def test_manifest_step_needs_the_whole_key() -> None:
-    assert keys.manifest_step(keys.manifest_key("r", 1) + "\n") is None
+def test_manifest_position_needs_the_whole_key() -> None:
+    assert keys.manifest_position(keys.manifest_key("r", 1) + "\n") is None
 
 
 def test_steps_past_twelve_digits_still_parse() -> None:
-    assert keys.manifest_step(keys.manifest_key("r", 10**12)) == 10**12
+    assert keys.manifest_position(keys.manifest_key("r", 10**12)) == (10**12, 0)

@@ -1,12 +1,14 @@
 """Every object key ckpt writes comes from this module.
 
     blobs/sha256/<2 hex>/<64 hex>               content-addressed blob (shared by all runs)
-    runs/<run>/bundles/<step:012d>/manifest.json  a bundle's commit record
-    runs/<run>/bundles/<step:012d>/rank-<rank:05d>.json
+    runs/<run>/bundles/<position>/manifest.json   a bundle's commit record
+    runs/<run>/bundles/<position>/rank-<rank:05d>.json
                                                 one rank's record, store-only, many ranks
 
-The hash prefix spreads blobs over S3 partitions; the zero-padded step makes a listing of
-a run's manifests sort by step.
+A bundle is named by its training position: ``<step:012d>`` at micro step 0 (every bundle
+before micro steps had keys), ``<step:012d>_<micro step:06d>`` within a gradient
+accumulation. The hash prefix spreads blobs over S3 partitions; the zero padding (and ``_``
+sorting after ``/``) makes a listing of a run's manifests sort by (step, micro step).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import re
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_MANIFEST = re.compile(r"runs/[^/]+/bundles/(\d{12,})/manifest\.json")
+_MANIFEST = re.compile(r"runs/[^/]+/bundles/(\d{12,})(?:_(\d{6,}))?/manifest\.json")
 
 
 def check_run_name(run: str) -> str:
@@ -35,17 +37,23 @@ def bundles_prefix(run: str) -> str:
     return f"runs/{check_run_name(run)}/bundles/"
 
 
-def manifest_key(run: str, step: int) -> str:
-    return f"{bundles_prefix(run)}{step:012d}/manifest.json"
+def bundle_key(run: str, step: int, micro_step: int = 0) -> str:
+    """The folder of the bundle at this position: its manifest's and rank records' prefix."""
+    position = f"{step:012d}" + (f"_{micro_step:06d}" if micro_step else "")
+    return f"{bundles_prefix(run)}{position}"
 
 
-def rank_record_key(run: str, step: int, rank: int) -> str:
+def manifest_key(run: str, step: int, micro_step: int = 0) -> str:
+    return f"{bundle_key(run, step, micro_step)}/manifest.json"
+
+
+def rank_record_key(run: str, step: int, micro_step: int, rank: int) -> str:
     """Where one rank of a job of many ranks leaves its layers' records, store-only, for
     rank 0 to gather into the manifest."""
-    return f"{bundles_prefix(run)}{step:012d}/rank-{rank:05d}.json"
+    return f"{bundle_key(run, step, micro_step)}/rank-{rank:05d}.json"
 
 
-def manifest_step(key: str) -> int | None:
-    """The step of a manifest key, or None for any other key."""
+def manifest_position(key: str) -> tuple[int, int] | None:
+    """The (step, micro step) of a manifest key, or None for any other key."""
     match = _MANIFEST.fullmatch(key)
-    return int(match.group(1)) if match else None
+    return (int(match.group(1)), int(match.group(2) or 0)) if match else None
