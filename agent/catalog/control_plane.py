@@ -43,8 +43,11 @@ log = logging.getLogger("ckpt")
 # Upload, record and commit; a round that finds blobs gone uploads them again.
 _COMMIT_ROUNDS = 3
 
-# How long a save's calls wait for the control plane before the save defers its commit.
-ANSWER_SECONDS = 2.0
+# How long a save's calls wait for the control plane before the save defers its commit: a
+# due save may wait for the bytes of the one before, so this bounds what an outage's onset
+# costs training; a busy control plane that answers later only moves a commit to the
+# background.
+ANSWER_SECONDS = 0.5
 # A deferred commit retries each call for the client's window (2 minutes), this many times:
 # an outage of up to half an hour costs no save; a longer one fails it like any persist.
 DEFER_ROUNDS = 15
