@@ -5,7 +5,7 @@
 with to ``DIR/resumed.pt`` (and its step to ``DIR/resumed``), train to step ``STEPS``
 saving every ``EVERY`` steps, writing each saved step's weights to ``DIR/weights-<step>.pt``.
 At each step in ``PAUSE_AT`` it touches ``DIR/at-<step>`` and waits for ``DIR/go-<step>``
-(the test changes the network meanwhile). At the end it waits for every save and writes
+(the test changes the network meanwhile); ``12!`` waits for every save to be durable first. At the end it waits for every save and writes
 ``DIR/result.json``: the longest ``maybe_save()`` call and the steps saved.
 """
 
@@ -63,8 +63,9 @@ def main(run: str, folder: str, steps: str, every: str, *pauses: str) -> None:
             taken.append(save.step)
             pending.append(save)
             torch.save(model.state_dict(), out / f"weights-{save.step}.pt")
-        if str(ckpt.counters.step) in pauses:
-            ckpt.wait()  # the test changes the network after every save so far is durable
+        if f"{ckpt.counters.step}!" in pauses:
+            ckpt.wait()  # every save so far durable before the test changes the network
+        if str(ckpt.counters.step) in {p.rstrip("!") for p in pauses}:
             (out / f"at-{ckpt.counters.step}").touch()
             wait_for(out / f"go-{ckpt.counters.step}")
     durable = [save.wait().step for save in pending]

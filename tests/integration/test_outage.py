@@ -142,7 +142,7 @@ def test_a_bundle_whose_commit_never_came_is_rolled_forward(tmp_path: Path) -> N
     faults = Faults(paths=r"^/v1/bundles/\d+/commit$")
     with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
         first = tmp_path / "first"
-        trainer = start_trainer(tmp_path, proxy.url, first, "24", "4", "12")
+        trainer = start_trainer(tmp_path, proxy.url, first, "24", "4", "12!")
         wait_until((first / "at-12").exists, "step 12", trainer)
         faults.rates["reset"] = 1.0
         (first / "go-12").touch()
