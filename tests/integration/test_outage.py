@@ -47,7 +47,6 @@ def control_plane(root: Path, port: int) -> Iterator[str]:
         yield url
 
 
-
 @contextmanager
 def proxied(url: str, faults: Faults) -> Iterator[FaultProxy]:
     proxy = FaultProxy(url, faults)
@@ -118,9 +117,7 @@ def test_an_outage_skips_no_save_and_never_holds_training(tmp_path: Path) -> Non
         faults.rates.clear()
         (first / "go-16").touch()
         result = finish(trainer, first)
-        committed = sorted(
-            b["step"] for b in lineage(url)["bundles"] if b["status"] == "complete"
-        )
+        committed = sorted(b["step"] for b in lineage(url)["bundles"] if b["status"] == "complete")
         second = tmp_path / "second"
         finish(start_trainer(tmp_path, proxy.url, second, "20", "2"), second)
     print(f"longest maybe_save() call: {result['slowest_maybe_save'] * 1000:.1f} ms")
