@@ -247,11 +247,12 @@ class Checkpointer:
     def maybe_save(self) -> PendingSave | None:
         """Save if the policy says so at the current position; call once per micro-batch.
 
-        While the previous save is still persisting, a due save waits for it
+        While the previous save is still writing its bytes, a due save waits for it
         (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
-        returned and the next call tries again). While the control plane is unreachable a
-        due save is always skipped rather than waited for: the save before keeps retrying in
-        the background and commits when the control plane answers again.
+        returned and the next call tries again). A single process's save never waits on the
+        control plane: while it does not answer, saves go to the store and are committed in
+        the background when it answers again. In a job of many ranks a due save is skipped
+        while the control plane is unreachable: the save before keeps retrying.
 
         After SIGTERM or SIGINT this is where the process ends: it waits for the save in
         flight, saves once more if its last measured save fits in what is left of the grace

@@ -1,4 +1,5 @@
-"""A small HTTP proxy that injects S3 faults between boto3 and the S3 server.
+"""A small HTTP proxy that injects faults between a client and an HTTP server (boto3 and the
+S3 server, the agent and the control plane).
 
 Each request is read whole, then, at the configured rates: answered ``503 SlowDown`` or
 ``500 InternalError``, cut off (the connection reset, no answer), stalled (held without an
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import re
 import socket
 import socketserver
 import struct
@@ -31,6 +33,7 @@ class Faults:
     rates: dict[str, float] = field(default_factory=dict)
     stall_seconds: float = 30.0
     methods: frozenset[str] | None = None  # the HTTP methods faults apply to (None: all)
+    paths: str | None = None  # a regular expression the paths faults apply to must match
     seed: int = 0
     seen: Counter[str] = field(default_factory=Counter)
 
@@ -38,9 +41,11 @@ class Faults:
         self._random = random.Random(self.seed)
         self._lock = threading.Lock()
 
-    def draw(self, method: str) -> str:
+    def draw(self, method: str, path: str = "") -> str:
         with self._lock:
-            if self.methods is not None and method not in self.methods:
+            if (self.methods is not None and method not in self.methods) or (
+                self.paths is not None and not re.search(self.paths, path)
+            ):
                 self.seen["forwarded"] += 1
                 return "forward"
             roll = self._random.random()
@@ -88,7 +93,7 @@ class FaultProxy:
             handler.wfile.flush()
         length = int(named.get("content-length", 0))
         body = handler.rfile.read(length) if length else b""
-        fault = self.faults.draw(method)
+        fault = self.faults.draw(method, path)
         if fault == "reset":
             handler.connection.setsockopt(
                 socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)

@@ -35,5 +35,5 @@ def open_catalog(
         heartbeat_seconds=config.heartbeat_seconds,
         step=step,
         ranks=ranks,
-        store_url=store.url,
+        store=store,
     )

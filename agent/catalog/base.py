@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from agent.attempt.notices import Notice
@@ -12,6 +13,15 @@ from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
 
 # Hash and store every layer's blobs, asking ``HeldBlobs`` which the store already holds.
 Upload = Callable[[HeldBlobs], dict[Layer, LayerRecord]]
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A save whose bytes are in the store and whose commit waits for the control plane to
+    answer: ``finish()`` commits it, in the background, and returns its manifest."""
+
+    position: Position
+    finish: Callable[[], Manifest]
 
 
 class Catalog(Protocol):
@@ -44,8 +54,10 @@ class Catalog(Protocol):
         continues the run from there, and every later position is its to save."""
         ...
 
-    def commit(self, upload: Upload, *, position: Position) -> Manifest:
-        """Upload through ``upload``, record every layer and commit: the bundle's manifest."""
+    def commit(self, upload: Upload, *, position: Position) -> Manifest | Deferred:
+        """Upload through ``upload``, record every layer and commit: the bundle's manifest;
+        or, when the catalog does not answer, the commit left to do once the bytes are in
+        the store."""
         ...
 
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:

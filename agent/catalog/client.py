@@ -48,6 +48,12 @@ class IncompleteCommitError(ControlPlaneError):
         return {blob["sha256"] for blob in self.missing.get("blobs", [])}
 
 
+def no_answer(err: ControlPlaneError) -> bool:
+    """Whether the control plane did not answer ``err``'s call (down, restarting, unreachable
+    or overloaded through the retries), rather than refusing it."""
+    return err.status is None or err.status in (*_RETRY_STATUSES, 429)
+
+
 class IntactBlobError(ControlPlaneError):
     """Quarantine refused: the control plane reads the blob named damaged back intact."""
 
@@ -129,6 +135,7 @@ class ControlPlane:
         micro_step: int,
         world_size: int,
         versions: Versions,
+        patience: float | None = None,
     ) -> int:
         body = self._call(
             "POST",
@@ -141,27 +148,41 @@ class ControlPlane:
                 "world_size": world_size,
                 "versions": versions.model_dump(mode="json"),
             },
+            patience=patience,
         )
         bundle_id: int = body["id"]
         return bundle_id
 
-    def missing_blobs(self, blobs: list[BlobRef]) -> set[str]:
+    def missing_blobs(self, blobs: list[BlobRef], *, patience: float | None = None) -> set[str]:
         body = self._call(
-            "POST", "/v1/blobs/missing", {"blobs": [b.model_dump(mode="json") for b in blobs]}
+            "POST",
+            "/v1/blobs/missing",
+            {"blobs": [b.model_dump(mode="json") for b in blobs]},
+            patience=patience,
         )
         return set(body["missing"])
 
     def record_layer(
-        self, bundle_id: int, *, rank: int, layer: Layer, epoch: int, record: LayerRecord
+        self,
+        bundle_id: int,
+        *,
+        rank: int,
+        layer: Layer,
+        epoch: int,
+        record: LayerRecord,
+        patience: float | None = None,
     ) -> None:
         self._call(
             "PUT",
             f"/v1/bundles/{bundle_id}/layers/{rank}/{layer}",
             {"epoch": epoch, "record": record.model_dump(mode="json")},
+            patience=patience,
         )
 
-    def commit(self, bundle_id: int, *, epoch: int) -> Manifest:
-        body = self._call("POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch})
+    def commit(self, bundle_id: int, *, epoch: int, patience: float | None = None) -> Manifest:
+        body = self._call(
+            "POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch}, patience=patience
+        )
         return Manifest.model_validate(body["bundle"]["manifest"])
 
     def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:

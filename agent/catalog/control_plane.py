@@ -5,28 +5,62 @@ bundle the control plane names. A save opens a bundle under the attempt's epoch,
 blobs the store lacks, uploads them, records every layer and commits; the control plane
 checks that every rank recorded every layer and every blob is in the store, then writes
 the manifest and moves the run's head. One bundle per attempt and step.
+
+A single process's save never waits on the control plane for long: when it does not answer
+within ``ANSWER_SECONDS`` (down, restarting, unreachable), the save's bytes go to the store
+anyway (the store itself says which blobs it holds) and its commit is ``Deferred``: opened,
+recorded and committed in the background once the control plane answers, under the epoch of
+the attempt that wrote it, so a fenced attempt's save is refused as ever.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from agent.attempt.interval import ESTIMATE_PATIENCE
 from agent.attempt.notices import Notice
-from agent.catalog.base import Upload
-from agent.catalog.client import ControlPlane, IncompleteCommitError, IntactBlobError, Registration
+from agent.catalog.base import Deferred, Upload
+from agent.catalog.client import (
+    ControlPlane,
+    IncompleteCommitError,
+    IntactBlobError,
+    Registration,
+    no_answer,
+)
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
+from agent.catalog.store import store_held
 from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
+from agent.save.upload import HeldBlobs
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
 from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
+from ckpt.core.storage import ObjectStore
 
 log = logging.getLogger("ckpt")
 
 # Upload, record and commit; a round that finds blobs gone uploads them again.
 _COMMIT_ROUNDS = 3
+
+# How long a save's calls wait for the control plane before the save defers its commit: a
+# due save may wait for the bytes of the one before, so this bounds what an outage's onset
+# costs training; a busy control plane that answers later only moves a commit to the
+# background.
+ANSWER_SECONDS = 0.5
+# A deferred commit retries each call for the client's window (2 minutes), this many times:
+# an outage of up to half an hour costs no save; a longer one fails it like any persist.
+DEFER_ROUNDS = 15
+
+
+@dataclass
+class _Save:
+    """How far one process's save got with the control plane."""
+
+    position: Position
+    bundle_id: int | None = None
+    records: dict[Layer, LayerRecord] | None = None
 
 
 class ControlPlaneCatalog:
@@ -40,9 +74,10 @@ class ControlPlaneCatalog:
         heartbeat_seconds: float,
         step: Callable[[], int],
         ranks: Ranks,
-        store_url: str,
+        store: ObjectStore,
     ) -> None:
         self.control = control
+        store_url = store.url
         self.attempt = Attempt(
             control,
             run=run,
@@ -52,6 +87,8 @@ class ControlPlaneCatalog:
             store_url=store_url,
         )
         self._run, self._ranks, self._store_url = run, ranks, store_url
+        self._store = store
+        self._verified: set[str] = set()  # blobs this process wrote or read back whole
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
         """Register this attempt (fencing every older one); resume from the bundle the
@@ -91,7 +128,7 @@ class ControlPlaneCatalog:
         return self.control.resumable(run)
 
     def verified(self, blobs: Iterable[str]) -> None:
-        return None  # the control plane keeps what it verified
+        self._verified.update(blobs)  # for the saves that ask the store itself
 
     def check_save(self, position: Position) -> None:
         return None  # the control plane refuses what would not extend the run's head
@@ -99,9 +136,94 @@ class ControlPlaneCatalog:
     def resumed(self, position: Position) -> None:
         return None  # the attempt's registration says where it resumed
 
-    def commit(self, upload: Upload, *, position: Position) -> Manifest:
-        """One bundle per attempt and position (the checkpointer saves a position once)."""
-        return self._commit_new(self.attempt.current(), position, upload)
+    def commit(self, upload: Upload, *, position: Position) -> Manifest | Deferred:
+        """One bundle per attempt and position (the checkpointer saves a position once). A single
+        process defers the commit when the control plane does not answer; the ranks of a
+        job wait for it together (their meetings have a deadline of their own)."""
+        if self._ranks.world_size > 1:
+            return self._commit_new(self.attempt.current(), position, upload)
+        save = _Save(position)
+        try:
+            if self.attempt.registration is None or self.control.unreachable:
+                raise ControlPlaneError("the control plane is unreachable", status=None)
+            return self._advance(save, upload, patience=ANSWER_SECONDS)
+        except ControlPlaneError as err:
+            if not no_answer(err):
+                raise
+            problem = err
+        if save.records is None:
+            save.records = upload(store_held(self._store, self._verified))
+        log.warning(
+            "run %s: %s is in the store; its commit waits for the control plane (%s)",
+            self._run,
+            position,
+            problem,
+        )
+        return Deferred(position=position, finish=lambda: self._finish(save))
+
+    def _finish(self, save: _Save) -> Manifest:
+        """Commit a deferred save once the control plane answers."""
+        for _ in range(DEFER_ROUNDS - 1):
+            try:
+                return self._advance(save, None, patience=None)
+            except ControlPlaneError as err:
+                if not no_answer(err):
+                    raise
+                log.warning(
+                    "run %s: %s still waits for its commit: %s", self._run, save.position, err
+                )
+        return self._advance(save, None, patience=None)
+
+    def _advance(self, save: _Save, upload: Upload | None, *, patience: float | None) -> Manifest:
+        """Open, upload (``upload``: None once the bytes are written and the staging reused),
+        record and commit a single process's save, from where it got; each call retried for
+        ``patience`` seconds (None: the client's window)."""
+        attempt = self.attempt.current()
+        if save.bundle_id is None:
+            save.bundle_id = self.control.open_bundle(
+                self._run,
+                attempt=attempt,
+                step=save.position.step,
+                micro_step=save.position.micro_step,
+                world_size=1,
+                versions=versions(),
+                patience=patience,
+            )
+        force: frozenset[str] = frozenset()
+        for _ in range(_COMMIT_ROUNDS):
+            if save.records is None or force:
+                if upload is None:
+                    raise ControlPlaneError(
+                        f"bundle {save.bundle_id}: {len(force)} blob(s) this save wrote during "
+                        "the outage vanished before its commit (is garbage collection running "
+                        "with a grace period shorter than the outage?); the save is not kept"
+                    )
+                save.records = upload(self._held(force, patience=patience))
+            for layer, record in save.records.items():
+                self.control.record_layer(
+                    save.bundle_id,
+                    rank=0,
+                    layer=layer,
+                    epoch=attempt.epoch,
+                    record=record,
+                    patience=patience,
+                )
+            outcome = self._commit_once(save.bundle_id, attempt, patience=patience)
+            if isinstance(outcome, Manifest):
+                self._verified.update(
+                    b.sha256 for record in save.records.values() for b in record.blobs
+                )
+                return outcome
+            if force and outcome <= force:
+                raise self._other_store(
+                    f"the control plane does not find {len(outcome)} blob(s) this job has "
+                    "just written"
+                )
+            force = outcome
+        raise ControlPlaneError(
+            f"bundle {save.bundle_id}: blobs kept vanishing through {_COMMIT_ROUNDS} rounds of "
+            "uploads (is garbage collection running with a grace period shorter than a save?)"
+        )
 
     def _commit_new(self, attempt: Registration, position: Position, upload: Upload) -> Manifest:
         """Rank 0 opens; every rank uploads what the store lacks and records its layers; once
@@ -154,10 +276,12 @@ class ControlPlaneCatalog:
                 raise failure
             raise RankError(f"bundle {bundle_id}: another rank failed to record its layers")
 
-    def _commit_once(self, bundle_id: int, attempt: Registration) -> Manifest | frozenset[str]:
+    def _commit_once(
+        self, bundle_id: int, attempt: Registration, *, patience: float | None = None
+    ) -> Manifest | frozenset[str]:
         """The committed manifest, or the blobs the commit found missing."""
         try:
-            return self.control.commit(bundle_id, epoch=attempt.epoch)
+            return self.control.commit(bundle_id, epoch=attempt.epoch, patience=patience)
         except IncompleteCommitError as err:
             if not err.blobs:
                 raise
@@ -177,11 +301,21 @@ class ControlPlaneCatalog:
             + ("; for S3, also the same CKPT_S3_ENDPOINT" if same_url else "")
         )
 
-    def _held(self, force: frozenset[str]) -> Callable[[list[BlobRef]], set[str]]:
-        """Which blobs the store holds, by the control plane, less those to upload anyway."""
+    def _held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
+        """Which blobs the store holds, by the control plane, less those to upload anyway;
+        by the store itself while the control plane does not answer (a single process)."""
+        by_store = store_held(self._store, self._verified)
 
         def held(blobs: list[BlobRef]) -> set[str]:
-            return {b.sha256 for b in blobs} - self.control.missing_blobs(blobs) - force
+            if patience is not None and self.control.unreachable:
+                return by_store(blobs) - force
+            try:
+                missing = self.control.missing_blobs(blobs, patience=patience)
+            except ControlPlaneError as err:
+                if patience is None or not no_answer(err):
+                    raise
+                return by_store(blobs) - force
+            return {b.sha256 for b in blobs} - missing - force
 
         return held
 

@@ -2,7 +2,8 @@
 
 Registering an attempt gives it the run's next fencing epoch (every older attempt is fenced:
 its writes get 409 from then on) and, when it resumes, the bundle to resume from. While it
-lives it heartbeats every ``heartbeat_seconds`` with its step, so that the control plane can
+lives it heartbeats every ``heartbeat_seconds`` with its step (each retried for the client's
+``retry_seconds``, as every call is: an outage shorter than that costs no heartbeat), so that the control plane can
 tell a preempted pod that never said goodbye (lost) from a live one; when it ends it says
 how (finished, preempted, failed), once.
 """
@@ -149,7 +150,7 @@ class Attempt:
                     registration.attempt_id,
                     step=self._step(),
                     rank=self._ranks.rank,
-                    patience=self._heartbeat_seconds,
+                    patience=self._control.retry_seconds,
                     interval=self.interval,
                     time=self.time() if self._ranks.rank == 0 else None,
                 )

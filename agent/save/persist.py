@@ -1,21 +1,23 @@
 """The background half of a save: hash, upload, record, commit, on one thread.
 
 ``Checkpointer.save`` stages the state and hands it here; the save is *staged* when it
-returns a ``PendingSave`` and *durable* once the catalog committed the bundle
-(``PendingSave.wait``). At most one save is in flight: the next one waits for it or is
-skipped (``InFlight``). A failed persist is raised exactly once, by ``PendingSave.wait``
+returns a ``PendingSave``, *written* once its bytes are in the store, and *durable* once the
+catalog committed the bundle (``PendingSave.wait``). At most one save is being written (one
+staging copy): the next one waits for it or is skipped (``in_flight="skip"``). A commit the
+control plane does not answer is deferred to the commit thread, which commits such saves in
+order once it answers; each holds only its layer records meanwhile, not its bytes. A failed persist is raised exactly once, by ``PendingSave.wait``
 or else by the next ``Persister.wait``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from agent.catalog.base import Catalog, Upload
+from agent.catalog.base import Catalog, Deferred, Upload
 from agent.catalog.manifests import bundle_name, bundle_name_at
 from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
@@ -33,7 +35,7 @@ from agent.save.upload import (
 )
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
-from ckpt.core.contract import Layer, LayerRecord
+from ckpt.core.contract import Layer, LayerRecord, Manifest
 from ckpt.core.errors import CkptError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
@@ -42,7 +44,9 @@ log = logging.getLogger("ckpt")
 
 
 class Persister:
-    """Persists staged saves on one background thread, one at a time, through a catalog."""
+    """Writes staged saves on one background thread, one at a time, through a catalog; a
+    commit the catalog defers (the control plane does not answer) runs on a second thread,
+    in the order the saves were written."""
 
     def __init__(
         self,
@@ -55,7 +59,6 @@ class Persister:
         replicated: frozenset[Layer],
         quiet: bool,
     ) -> None:
-        self.in_flight: PendingSave | None = None
         self.durable_at: Position | None = None  # where this process's newest bundle is
         self.save_seconds: float | None = None  # stall + persist of the last durable save
         self._run, self._store, self._catalog = run, store, catalog
@@ -63,7 +66,15 @@ class Persister:
         self._replicated = replicated  # layers every rank holds alike (DDP): one upload
         self._told_unalike = False  # warned that such a layer differs between the ranks
         self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
+        self._unsettled: list[PendingSave] = []  # submitted, outcome not yet taken; oldest first
+        self._writing: Future[None] | None = None  # the newest save's bytes, until written
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+
+    @property
+    def in_flight(self) -> PendingSave | None:
+        """The newest save not yet durable (or whose failure is not yet raised)."""
+        return self._unsettled[-1] if self._unsettled else None
 
     def submit(
         self,
@@ -74,39 +85,53 @@ class Persister:
         stall: float,
         position: Position,
     ) -> PendingSave:
-        """Start persisting a staged save; the previous one must have ended (``settle``)."""
-        future = self._thread.submit(
-            self._persist, states, staged, step=step, stall=stall, position=position
+        """Start persisting a staged save; the previous one's bytes must be written
+        (``settle``)."""
+        durable: Future[SaveResult] = Future()
+        self._writing = self._thread.submit(
+            self._persist,
+            states,
+            staged,
+            step=step,
+            stall=stall,
+            position=position,
+            durable=durable,
         )
-        self.in_flight = PendingSave(
-            bundle=self._name(position), step=step, stall_seconds=stall, future=future
+        pending = PendingSave(
+            bundle=self._name(position), step=step, stall_seconds=stall, future=durable
         )
-        return self.in_flight
+        self._unsettled.append(pending)
+        return pending
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Block until the save in flight (if any) is durable; raise its failure unless
-        ``PendingSave.wait`` already did."""
-        pending = self.in_flight
-        if pending is None or pending.raised:
-            self.in_flight = None
-            return None
-        try:
-            return pending.wait(timeout)
-        finally:
-            if pending.done():  # not when interrupted: its buffers are still in use
-                self.in_flight = None
+        """Block until every save submitted (if any) is durable, oldest first; raise the
+        first failure that ``PendingSave.wait`` did not raise already."""
+        result = None
+        while self._unsettled:
+            pending = self._unsettled[0]
+            if pending.raised:
+                self._unsettled.pop(0)
+                continue
+            try:
+                result = pending.wait(timeout)
+            finally:
+                if pending.done():  # not when interrupted: its buffers are still in use
+                    self._unsettled.pop(0)
+        return result
 
     def ready(self, *, skip: bool, unreachable: Callable[[], bool], due_at: Position) -> bool:
-        """Whether a due save may stage now: nothing in flight, or it ended while waited
-        for. With ``skip`` (``in_flight="skip"``), or while the control plane is (or becomes)
-        unreachable, the due save is skipped instead: the save in flight is retrying, and
-        training does not wait on the control plane."""
+        """Whether a due save may stage now: the save before has written its bytes, or did
+        while waited for. With ``skip`` (``in_flight="skip"``) the due save is skipped
+        instead. A single process's bytes never wait on the control plane (its commit is
+        deferred); the ranks of a job commit together, so while the control plane is (or
+        becomes) unreachable their due save is skipped: training does not wait on it."""
         if self.settle(block=False):
             return True
         if skip:
             log.info("run %s: a save is still in flight; skipping this one", self._run)
             return False
-        if self.wait_unless(unreachable):
+        alone = self._ranks.world_size == 1
+        if self.wait_unless(lambda: not alone and unreachable()):
             return True
         log.warning(
             "run %s: the control plane is unreachable and the save before is retrying; "
@@ -117,23 +142,27 @@ class Persister:
         return False
 
     def wait_unless(self, stop: Callable[[], bool], *, poll: float = 0.05) -> bool:
-        """Wait for the save in flight like ``wait``, but give up (False) as soon as ``stop()``
-        is true, checked every ``poll`` seconds."""
-        pending = self.in_flight
-        while pending is not None and not pending.done():
+        """Wait for the save before to write its bytes, like ``settle``, but give up (False)
+        as soon as ``stop()`` is true, checked every ``poll`` seconds."""
+        writing = self._writing
+        while writing is not None and not writing.done():
             if stop():
                 return False
-            with contextlib.suppress(TimeoutError):
-                pending.wait(poll)
-        self.wait()
-        return True
+            futures.wait([writing], timeout=poll)
+        return self.settle(block=True)
 
     def settle(self, *, block: bool) -> bool:
-        """Whether a new save may stage now: none in flight, or (``block``) it has ended."""
-        pending = self.in_flight
-        if pending is not None and not block and not pending.done():
-            return False
-        self.wait()
+        """Whether a new save may stage now: the save before has written its bytes (or,
+        ``block``, once it has); a save that failed since is raised here, once."""
+        writing = self._writing
+        if writing is not None and not writing.done():
+            if not block:
+                return False
+            futures.wait([writing])
+        for pending in [p for p in self._unsettled if p.done()]:
+            self._unsettled.remove(pending)
+            if not pending.raised:
+                pending.wait()  # raises its failure
         return True
 
     def resumed_at(self, position: Position) -> None:
@@ -158,8 +187,9 @@ class Persister:
         return PendingSave(bundle=name, step=step, stall_seconds=0.0, future=future)
 
     def close(self) -> None:
-        """Release the thread, after the save in flight (if any) ends."""
+        """Release the threads, after the saves in flight (if any) end."""
         self._thread.shutdown(wait=True)
+        self._commits.shutdown(wait=True)
 
     def _persist(
         self,
@@ -169,7 +199,10 @@ class Persister:
         step: int,
         stall: float,
         position: Position,
-    ) -> SaveResult:
+        durable: Future[SaveResult],
+    ) -> None:
+        """Write the save's bytes and commit it, or hand a deferred commit to the commit
+        thread; ``durable`` gets the outcome."""
         started = time.perf_counter()
         stats = WriteStats()
         hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
@@ -185,14 +218,57 @@ class Persister:
                 hashes=hashes,
                 progress=progress,
             )
-            manifest = self._catalog.commit(upload, position=position)
-        except Exception:
+            outcome = self._catalog.commit(upload, position=position)
+        except Exception as err:
             log.exception("run %s: saving %s failed", self._run, self._name(position))
-            raise
+            durable.set_exception(err)
+            return
         finally:
             staged.release(check=False)  # never leave the next optimizer step waiting
             self._blob_hashes = hashes.current
             progress.close()
+
+        def done(manifest: Manifest) -> None:
+            durable.set_result(
+                self._durable(
+                    manifest,
+                    staged=staged,
+                    stats=stats,
+                    hashes=hashes,
+                    stall=stall,
+                    started=started,
+                    position=position,
+                )
+            )
+
+        if isinstance(outcome, Manifest):
+            done(outcome)
+        else:
+            self._commits.submit(self._commit_later, outcome, done, durable)
+
+    def _commit_later(
+        self, deferred: Deferred, done: Callable[[Manifest], None], durable: Future[SaveResult]
+    ) -> None:
+        try:
+            manifest = deferred.finish()
+        except Exception as err:
+            log.exception("run %s: committing %s failed", self._run, self._name(deferred.position))
+            durable.set_exception(err)
+            return
+        done(manifest)
+
+    def _durable(
+        self,
+        manifest: Manifest,
+        *,
+        staged: Staged,
+        stats: WriteStats,
+        hashes: BlobHashes,
+        stall: float,
+        started: float,
+        position: Position,
+    ) -> SaveResult:
+        """The save is committed: what it cost, said and reported."""
         result = SaveResult(
             bundle=bundle_name(manifest),
             step=manifest.step,

@@ -2,8 +2,8 @@
 
 A save is due by the policy (every N steps and/or T seconds, or ``every="auto"``'s interval)
 or because a cloud announced a preemption; a stop signal ends the process here instead
-(``attempt.grace``). A due save then waits for the one still in flight, or is skipped
-(``in_flight="skip"``, or while the control plane is unreachable). Every rank decides
+(``attempt.grace``). A due save then waits for the bytes of the one before, or is skipped
+(``in_flight="skip"``; with many ranks, also while the control plane is unreachable). Every rank decides
 alike: a signal, a clock or a notice on one rank moves them all at this same boundary.
 """
 

@@ -50,9 +50,15 @@ _COMMIT_ROUNDS = 3  # layers recorded while a commit checks blobs make it check 
 
 
 def commit_bundle(
-    context: Context, principal: Principal, *, bundle_id: int, request: Commit
+    context: Context,
+    principal: Principal,
+    *,
+    bundle_id: int,
+    request: Commit,
+    reason: str | None = None,
 ) -> Committed:
-    """Make the bundle complete if nothing is missing; else 409 listing exactly what is."""
+    """Make the bundle complete if nothing is missing; else 409 listing exactly what is.
+    ``reason``: why, on the ``committed`` event, when it is not the writer's own commit."""
     damaged: frozenset[str] = frozenset()  # to read back: found damaged by a round's lock
     for _ in range(_COMMIT_ROUNDS):
         with context.transaction() as session:
@@ -80,6 +86,7 @@ def commit_bundle(
             plan=plan,
             read_at=read_at,
             stored=stored,
+            reason=reason,
         )
         if isinstance(done, Committed):
             return done
@@ -173,6 +180,7 @@ def _finish_commit(
     plan: _Plan,
     read_at: datetime,
     stored: Mapping[str, StoredBlob],
+    reason: str | None,
 ) -> Committed | frozenset[str]:
     """Decide under the run's lock. Or check again, reading back the blobs answered: when
     layers were recorded since ``plan``, or the catalog says damaged a blob that the store
@@ -204,6 +212,7 @@ def _finish_commit(
             locked=rows,
             manifest=manifest,
             actor=principal.actor,
+            reason=reason,
         )
         return _committed(session, bundle, run, recorded=plan.recorded, manifest=manifest)
 
@@ -267,6 +276,7 @@ def _complete(
     locked: Mapping[str, repository.Health],
     manifest: Manifest,
     actor: str,
+    reason: str | None,
 ) -> None:
     """Mark the blobs found whole (those the store's checksum confirmed: hashed too) and the
     bundle complete, and move the run's head."""
@@ -285,7 +295,7 @@ def _complete(
     bundle.status = BundleStatus.COMPLETE
     bundle.committed_at = now
     bundle.manifest = manifest.model_dump(mode="json")
-    events.record(session, bundle, actor=actor, action=Action.COMMITTED)
+    events.record(session, bundle, actor=actor, action=Action.COMMITTED, reason=reason)
     run.head_bundle_id = lineage.head_after_commit(
         run.head_bundle_id, node(bundle), catalog_nodes(session)
     )

@@ -18,6 +18,7 @@ from service.metrics import Metrics
 from service.models import Attempt, Bundle, EndReason, Run, utcnow
 from service.runs import repository
 from service.runs.activity import refresh_activity
+from service.runs.roll_forward import roll_forward
 from service.runs.schemas import (
     AttemptCreate,
     AttemptEnd,
@@ -39,6 +40,8 @@ def register_attempt(
     """Register a new attempt of the run (creating the run if need be) and decide what it
     resumes from. Its epoch fences every older attempt."""
     require_write(principal, name)
+    if request.resume:
+        roll_forward(context, principal, name=name)
     with context.transaction() as session:
         run, _ = repository.ensure_run(session, name=name)
         run.epoch += 1

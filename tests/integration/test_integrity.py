@@ -123,7 +123,11 @@ def test_a_damaged_blob_that_two_ranks_share_is_named_with_both(tmp_path: Path) 
     store = saved_store(tmp_path, steps=(1,))
     layers = Manifest.model_validate_json(store.get(keys.manifest_key("integrity", 1))).ranks[0]
     shared = write_manifest(
-        store, run="integrity", step=2, world_size=2, ranks={0: layers.layers, 1: layers.layers}
+        store,
+        run="integrity",
+        position=(2, 0),
+        world_size=2,
+        ranks={0: layers.layers, 1: layers.layers},
     )
     victim = shared.ranks[1].layers[Layer.WEIGHTS].blobs[-1].sha256  # rank 1's entry
     path = store.root / keys.blob_key(victim)

@@ -1,0 +1,79 @@
+"""A trainer for the control-plane outage tests, run as its own process.
+
+``python -m tests.integration.outage_trainer RUN DIR STEPS EVERY [PAUSE_AT ...]``: resume
+``RUN`` through ``CKPT_SERVER`` (its store ``CKPT_STORE``), write the weights it resumed
+with to ``DIR/resumed.pt`` (and its step to ``DIR/resumed``), train to step ``STEPS``
+saving every ``EVERY`` steps, writing each saved step's weights to ``DIR/weights-<step>.pt``.
+At each step in ``PAUSE_AT`` it touches ``DIR/at-<step>`` and waits for ``DIR/go-<step>``
+(the test changes the network meanwhile); ``12!`` waits for every save to be durable first. At the end it waits for every save and writes
+``DIR/result.json``: the longest ``maybe_save()`` call and the steps saved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ckpt import Checkpointer, PendingSave
+
+GO_SECONDS = 300.0  # how long a pause waits for the test
+
+
+def wait_for(path: Path) -> None:
+    deadline = time.monotonic() + GO_SECONDS
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def main(run: str, folder: str, steps: str, every: str, *pauses: str) -> None:
+    out = Path(folder)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = Checkpointer(
+        run=run,
+        models=model,
+        optimizers=optimizer,
+        every_steps=int(every),
+        heartbeat_seconds=0.5,
+        handle_signals=False,
+    )
+    ckpt.resume()
+    (out / "resumed").write_text(str(ckpt.counters.step))
+    torch.save(model.state_dict(), out / "resumed.pt")
+    slowest, taken = 0.0, []
+    pending: list[PendingSave] = []
+    while ckpt.counters.step < int(steps):
+        loss = model(torch.randn(16, 32)).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ckpt.counters.step += 1
+        before = time.perf_counter()
+        save = ckpt.maybe_save()
+        slowest = max(slowest, time.perf_counter() - before)
+        if save is not None:
+            taken.append(save.step)
+            pending.append(save)
+            torch.save(model.state_dict(), out / f"weights-{save.step}.pt")
+        if f"{ckpt.counters.step}!" in pauses:
+            ckpt.wait()  # every save so far durable before the test changes the network
+        if str(ckpt.counters.step) in {p.rstrip("!") for p in pauses}:
+            (out / f"at-{ckpt.counters.step}").touch()
+            wait_for(out / f"go-{ckpt.counters.step}")
+    durable = [save.wait().step for save in pending]
+    ckpt.end()
+    ckpt.close()
+    result = {"slowest_maybe_save": slowest, "taken": taken, "durable": durable}
+    (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
