@@ -202,6 +202,9 @@ def _finish_commit(
         _check_complete(context, bundle, run, plan=plan, stored=stored)
         manifest = _manifest(bundle, run, attempt, plan.records)
         _write_manifest(context.store, manifest)
+        # The attempt reached this step: a floor for its steps lost should it be killed
+        # before its next heartbeat.
+        attempt.last_step = max(attempt.last_step or 0, bundle.step)
         _complete(
             context,
             session,

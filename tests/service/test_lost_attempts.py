@@ -499,3 +499,19 @@ def test_steps_lost_are_a_lower_bound_only_for_an_attempt_marked_lost(
     # A reported end carries the step the attempt stopped at; a lost attempt's last step
     # came with its last heartbeat, and it may have trained past it.
     assert steps_lost_exact(reason) is exact
+
+
+def test_a_commit_after_the_last_heartbeat_raises_the_floor(server: Server, run_name: str) -> None:
+    """Killed after committing step 12, its last heartbeat at step 5: the attempt reached 12
+    (its bundle says so), so a successor that starts fresh counts at least 12 steps lost."""
+    with server.client() as client:
+        first = register(client, run_name)
+        assert heartbeat(client, first["attempt_id"], step=5).status_code == 200
+        save(client, server.store, run_name, first, step=12)
+        assert lineage_attempts(client, run_name)[first["attempt_id"]]["last_step"] == 12
+        assert mark_lost(server.context, now=utcnow() + 2 * LOST_AFTER) == [first["attempt_id"]]
+        with server.context.transaction() as session:  # the bundle at 12 rotted: none resumable
+            session.execute(text("UPDATE bundle SET status = 'quarantined'"))
+        register(client, run_name)
+        lost = lineage_attempts(client, run_name)[first["attempt_id"]]
+        assert (lost["steps_lost"], lost["steps_lost_exact"]) == (12, False)
