@@ -365,8 +365,10 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the background thread and the
-        control-plane connection (the attempt is not ended: see ``end``).
+        """Wait for the save in flight, then release what the checkpointer holds: its
+        threads, the signals (back to their handlers before it), the data's live iterator
+        (and with it the DataLoader's workers) and the control-plane connection. The
+        attempt is not ended: see ``end``.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed.
@@ -378,6 +380,7 @@ class Checkpointer:
                 hook.remove()
             self._schedule.close()
             self._preemption.close()
+            self._epochs.close()
             self._persister.close()
             self._catalog.close()
 
