@@ -30,6 +30,7 @@ from agent.catalog import open_catalog
 from agent.config import Config, Keywords
 from agent.counters import Counters
 from agent.data.epochs import Epochs
+from agent.launch.finished import note_finished
 from agent.ranks.base import MEET_SECONDS, Ranks, job_ranks
 from agent.restore.resume import Restorer, ResumeResult
 from agent.save.persist import Persister
@@ -353,6 +354,8 @@ class Checkpointer:
         """
         try:
             self.wait()
+            if reason == "finished":
+                note_finished(rank=self.rank, world_size=self.world_size)
         finally:
             self._end(reason, final_save_committed=final_save_committed, patience=None)
 
