@@ -344,9 +344,8 @@ class Checkpointer:
 
     def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
         """Tell the control plane how this attempt ended (finished, preempted or failed),
-        after the save in flight ends.
-
-        A no-op store-only, or when no attempt was registered.
+        after the save in flight ends (a no-op store-only, or when no attempt was registered).
+        "finished" also tells ``ckpt launch``, if it runs this process, not to restart it.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is

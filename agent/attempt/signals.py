@@ -93,7 +93,8 @@ class SignalWatch:
                 signal.signal(signum, _live(previous, signum))
         # A forked child (a DataLoader worker) holds a copy of the writer, so closing ours
         # is no end of file for the watcher: shutting the reader down wakes it at once.
-        self._pipe[0].shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._pipe[0].shutdown(socket.SHUT_RDWR)
         if self._watcher is not None:
             self._watcher.join()
             self._watcher = None
