@@ -30,6 +30,7 @@ from agent.catalog import open_catalog
 from agent.config import Config, Keywords
 from agent.counters import Counters
 from agent.data.epochs import Epochs
+from agent.launch.finished import note_finished
 from agent.ranks.base import MEET_SECONDS, Ranks, job_ranks
 from agent.restore.resume import Restorer, ResumeResult
 from agent.save.persist import Persister
@@ -343,9 +344,8 @@ class Checkpointer:
 
     def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
         """Tell the control plane how this attempt ended (finished, preempted or failed),
-        after the save in flight ends.
-
-        A no-op store-only, or when no attempt was registered.
+        after the save in flight ends (a no-op store-only, or when no attempt was registered).
+        "finished" also tells ``ckpt launch``, if it runs this process, not to restart it.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is
@@ -353,6 +353,8 @@ class Checkpointer:
         """
         try:
             self.wait()
+            if reason == "finished":
+                note_finished(rank=self.rank, world_size=self.world_size)
         finally:
             self._end(reason, final_save_committed=final_save_committed, patience=None)
 
@@ -365,8 +367,10 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the background thread and the
-        control-plane connection (the attempt is not ended: see ``end``).
+        """Wait for the save in flight, then release what the checkpointer holds: its
+        threads, the signals (back to their handlers before it), the data's live iterator
+        (and with it the DataLoader's workers) and the control-plane connection. The
+        attempt is not ended: see ``end``.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed.
@@ -378,6 +382,7 @@ class Checkpointer:
                 hook.remove()
             self._schedule.close()
             self._preemption.close()
+            self._epochs.close()
             self._persister.close()
             self._catalog.close()
 

@@ -46,6 +46,7 @@ class SignalWatch:
         self._previous: dict[int, Any] = {}
         self._previous_fd: int | None = None
         self._pipe: tuple[socket.socket, socket.socket] | None = None
+        self._watcher: threading.Thread | None = None
         self._interrupts = 0
         self._closed = False
 
@@ -68,12 +69,15 @@ class SignalWatch:
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, name="ckpt-signals", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="ckpt-signals", daemon=True)
+        self._watcher.start()
         return True
 
     def uninstall(self) -> None:
-        """Give the signals back (main thread only) and stop the deadline."""
+        """Give the signals back (main thread only), stop the deadline and the watcher thread,
+        and drop ``on_deadline`` (and all it reaches: the checkpointer, the model, the data)."""
         self._settled.set()
+        self._on_deadline = _nothing
         if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return
         # Another checkpointer may have taken the signals since: leave its handlers alone.
@@ -87,6 +91,13 @@ class SignalWatch:
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, _live(previous, signum))
+        # A forked child (a DataLoader worker) holds a copy of the writer, so closing ours
+        # is no end of file for the watcher: shutting the reader down wakes it at once.
+        with contextlib.suppress(OSError):
+            self._pipe[0].shutdown(socket.SHUT_RDWR)
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
         for end in self._pipe:
             end.close()
         self._pipe = None
@@ -132,6 +143,10 @@ class SignalWatch:
     def _arm(self) -> None:
         if not self._settled.wait(self.deadline_seconds):
             self._on_deadline()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _live(handler: Any, signum: int) -> Any:

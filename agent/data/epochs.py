@@ -27,6 +27,11 @@ class Epochs:
         self._resumed = Resumed(epoch=self._counters.epoch, batch=self._counters.batch)
         self._batches = None
 
+    def close(self) -> None:
+        """Drop the live iterator: a DataLoader's shuts its workers down when it goes (the
+        interpreter's exit cannot stop workers that ignore SIGTERM, as ranks.md shields them)."""
+        self._batches = None
+
     def batches(self) -> Iterator[Any]:
         source, counters = self._source, self._counters
         if source is None:

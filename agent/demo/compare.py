@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
+
+RECORDS = ("positions", "losses", "record_lrs")  # what each attempt trained, micro-batch by one
 
 
 def _tensor_differences(
@@ -40,3 +43,17 @@ def differences(reference: dict[str, Any], resumed: dict[str, Any]) -> list[str]
     if reference["record_lrs"][-count:] != resumed["record_lrs"]:
         found.append("the per-step learning rates differ")
     return found
+
+
+def save_final(state: dict[str, Any], path: Path | str) -> None:
+    """Write an attempt's final state to ``path``, where the attempt before wrote its own.
+
+    An attempt that trained nothing (the run had finished: a stop signal reached its last
+    attempt on the way out, and a supervisor restarted it) keeps the records of the attempt
+    before: the run is judged on its final state and on the micro-batches of the last
+    attempt that trained, however many attempts there were.
+    """
+    if not state["positions"] and Path(path).exists():
+        before = torch.load(path, weights_only=True)
+        state = {**state, **{key: before[key] for key in RECORDS}}
+    torch.save(state, path)

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from agent.checkpointer import Checkpointer
 from agent.data.sampling import ResumableSampler
+from agent.demo.compare import save_final
 from agent.demo.train import (
     NUM_SAMPLES,
     DrillStore,
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> None:
     job.model.train()
     train(job, args)
     dump_whole(job, args.dump_final)
-    torch.save(final_state(job), f"{args.out}.rank{dist.get_rank()}")
+    save_final(final_state(job), f"{args.out}.rank{dist.get_rank()}")
     job.ckpt.end()
     job.ckpt.close()
 

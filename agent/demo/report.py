@@ -49,7 +49,7 @@ def report(
         f"bytes:                        {stored} in bundles, {uploaded} uploaded "
         f"({stored - uploaded} deduplicated)"
     )
-    print(f"micro-batches compared:       {_compared(finals)} (the last attempt's)")
+    print(f"micro-batches compared:       {_compared(finals)} (the last attempt that trained)")
     found = _differences(references, finals)
     if found:
         print("BIT-EXACT: NO")

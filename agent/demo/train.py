@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from agent.checkpointer import Checkpointer
 from agent.data.sampling import PerSampleRNG, ResumableSampler
+from agent.demo.compare import save_final
 from agent.save.result import PendingSave
 from ckpt.core.contract import Layer
 from ckpt.core.storage import ObjectStore, open_store
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         else:
             if counters.epoch == args.save_at_epoch_end:
                 save_and_maybe_die(job, kill=args.kill_after_save)
-    torch.save(final_state(job), args.out)
+    save_final(final_state(job), args.out)
     job.ckpt.end("finished")
     job.ckpt.close()
 

@@ -10,6 +10,9 @@ terminal's Ctrl-C reaches only the supervisor, which forwards it.
 How each attempt ends decides what comes next:
 
 - exit code 0: the trainer succeeded; the supervisor exits 0.
+- every rank ended its attempt as finished (``Checkpointer.end("finished")``, noted in the
+  attempt's ``CKPT_LAUNCH_FINISHED`` folder; ``agent.launch.finished``): the trainer
+  succeeded too, even when a signal stopped it on its way out; the supervisor exits 0.
 - ``EXIT_PREEMPTED`` (143), or killed by a signal: *preempted*; any other code: *crashed*.
   Both are restarted after a backoff (``--backoff``, default 1 s, doubled at each restart,
   at most 60 s) while restarts remain (``--max-restarts``, default 3; 0 never restarts).
@@ -58,6 +61,7 @@ import itertools
 import os
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +72,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from agent.attempt.signals import EXIT_PREEMPTED
+from agent.launch.finished import ENV as FINISHED_ENV
+from agent.launch.finished import all_finished, notes_folder
 from agent.launch.reaping import children, kill_orphans, subreaper
 from agent.launch.torchrun import Ending, Tail, ending, is_torchrun
 
@@ -175,9 +181,15 @@ class _Trainer:
     """One attempt: the trainer process and the signals forwarded to it."""
 
     def __init__(
-        self, process: subprocess.Popen[bytes], *, tail: Tail | None, older: set[int]
+        self,
+        process: subprocess.Popen[bytes],
+        *,
+        tail: Tail | None,
+        older: set[int],
+        finished: Path,
     ) -> None:
         self.process = process
+        self.finished = finished  # where its ranks note that they finished training
         self.stopped_by: signal.Signals | None = None
         self._tail = tail
         self._older = older  # the supervisor's children before this attempt started
@@ -256,6 +268,9 @@ def _attempts(policy: Policy, signals: _Signals) -> int:
             return trainer
         ended = trainer.wait(signals)
         code = exit_code(ended.returncode)
+        if all_finished(trainer.finished) and code != 0:
+            _log(f"{ended.description}, after the trainer finished its training; exiting with 0")
+            return 0
         backoff = _next_delay(ended, trainer=trainer, attempt=attempt, policy=policy)
         if backoff is None:
             return code
@@ -265,7 +280,8 @@ def _attempts(policy: Policy, signals: _Signals) -> int:
 
 def _start(policy: Policy, *, attempt: int) -> _Trainer | int:
     """Start one attempt; the trainer, or the exit code when the command cannot run."""
-    environment = {**os.environ, "CKPT_LAUNCH_ATTEMPT": str(attempt)}
+    finished = notes_folder(attempt)
+    environment = {**os.environ, "CKPT_LAUNCH_ATTEMPT": str(attempt), FINISHED_ENV: str(finished)}
     torchrun = is_torchrun(policy.command)
     older = children()
     try:
@@ -276,9 +292,11 @@ def _start(policy: Policy, *, attempt: int) -> _Trainer | int:
             stderr=subprocess.PIPE if torchrun else None,  # read by ending(), copied through
         )
     except FileNotFoundError as err:
+        shutil.rmtree(finished, ignore_errors=True)
         _log(f"command not found: {policy.command[0]} ({err.strerror}); check PATH")
         return EXIT_NOT_FOUND
     except OSError as err:
+        shutil.rmtree(finished, ignore_errors=True)
         _log(f"cannot execute {policy.command[0]}: {err.strerror}")
         return EXIT_CANNOT_EXECUTE
     attempts = policy.max_restarts + 1
@@ -287,7 +305,7 @@ def _start(policy: Policy, *, attempt: int) -> _Trainer | int:
     if policy.pid_file is not None:
         _write_pid_file(policy.pid_file, process.pid)
     tail = Tail(process.stderr) if process.stderr is not None else None
-    return _Trainer(process, tail=tail, older=older)
+    return _Trainer(process, tail=tail, older=older, finished=finished)
 
 
 def _next_delay(ended: Ending, *, trainer: _Trainer, attempt: int, policy: Policy) -> float | None:

@@ -162,3 +162,14 @@ def test_a_staging_budget_keeps_periodic_saves_bit_exact(
     resumed = trainer(*STEPS, env=settings)
     assert resumed["positions"][0] == (42, 3)
     assert differences(references["sampler"], resumed) == []
+
+
+def test_an_extra_attempt_after_the_run_finished_leaves_the_verdict_alone(tmp_path: Path) -> None:
+    # ckpt demo on a loaded machine: a SIGTERM reached the finished last attempt on its way
+    # out, and another attempt resumed at the end with nothing to train. The run is the
+    # same run: its verdict must be too.
+    store, out = tmp_path / "store", tmp_path / "final.pt"
+    finished = run_trainer(store, out, *STEPS, "--every", "30")
+    again = run_trainer(store, out, *STEPS, "--every", "30")
+    assert differences(finished, again) == []
+    assert again["positions"] == finished["positions"]

@@ -160,7 +160,9 @@ def test_the_verdict_on_many_ranks_covers_every_rank(
         torch.save(rank_state(rank), tmp_path / f"final.pt.rank{rank}")
     assert report(tmp_path, facts, sigterms=0, kill_upload_at=5, nproc=2) == 0
     out = capsys.readouterr().out
-    assert "micro-batches compared:       2 per rank on 2 ranks (the last attempt's)" in out
+    assert (
+        "micro-batches compared:       2 per rank on 2 ranks (the last attempt that trained)" in out
+    )
     assert "identical on every rank (2)" in out
 
     torch.save(rank_state(7), tmp_path / "final.pt.rank1")  # rank 1 alone differs
