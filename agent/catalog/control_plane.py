@@ -192,6 +192,10 @@ class ControlPlaneCatalog:
         force: frozenset[str] = frozenset()
         for _ in range(_COMMIT_ROUNDS):
             if save.records is None or force:
+                if upload is None and self._store_holds(save, force):
+                    raise self._other_store(
+                        f"the control plane does not find {len(force)} blob(s) this job wrote"
+                    )
                 if upload is None:
                     raise ControlPlaneError(
                         f"bundle {save.bundle_id}: {len(force)} blob(s) this save wrote during "
@@ -300,6 +304,13 @@ class ControlPlaneCatalog:
             ".ckpt/store is relative to each process's working directory)"
             + ("; for S3, also the same CKPT_S3_ENDPOINT" if same_url else "")
         )
+
+    def _store_holds(self, save: _Save, blobs: frozenset[str]) -> bool:
+        """Whether this process's store holds every one of ``blobs`` that ``save`` wrote (the
+        control plane, not finding them, reads another store)."""
+        assert save.records is not None
+        refs = [b for r in save.records.values() for b in r.blobs if b.sha256 in blobs]
+        return store_held(self._store, self._verified)(refs) >= blobs
 
     def _held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
         """Which blobs the store holds, by the control plane, less those to upload anyway;

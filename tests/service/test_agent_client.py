@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -177,8 +178,13 @@ def test_naming_the_own_run_in_from_run_is_an_ordinary_resume(
     again.close()
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["committed", "deferred"])
 def test_an_agent_on_another_store_is_told_so_not_that_blobs_vanished(
-    server: Server, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    server: Server,
+    run_name: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    deferred: bool,
 ) -> None:
     # The newcomer's mistake: agent and server resolve the default .ckpt/store from two
     # working directories.
@@ -188,6 +194,8 @@ def test_an_agent_on_another_store_is_told_so_not_that_blobs_vanished(
         ckpt.resume()
     assert f"writes bundles to {elsewhere.url}" in caplog.text
     assert f"reads {server.store.url}" in caplog.text
+    if deferred:  # the control plane looked down as the save began: its commit waits
+        ckpt._catalog.control._failing_since = time.monotonic()  # type: ignore[attr-defined]
     with pytest.raises(ControlPlaneError, match="must use the same store") as raised:
         ckpt.save().wait()
     assert elsewhere.url in str(raised.value) and server.store.url in str(raised.value)
