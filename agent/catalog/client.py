@@ -48,10 +48,15 @@ class IncompleteCommitError(ControlPlaneError):
         return {blob["sha256"] for blob in self.missing.get("blobs", [])}
 
 
+class UnansweredError(ControlPlaneError):
+    """The control plane did not answer (down, restarting, unreachable, or overloaded through
+    the retries), as opposed to refusing the request or this process finding it wrong."""
+
+
 def no_answer(err: ControlPlaneError) -> bool:
-    """Whether the control plane did not answer ``err``'s call (down, restarting, unreachable
-    or overloaded through the retries), rather than refusing it."""
-    return err.status is None or err.status in (*_RETRY_STATUSES, 429)
+    """Whether ``err`` says the control plane did not answer, rather than refused; an error
+    this process raised itself (status None too) is not one."""
+    return isinstance(err, UnansweredError)
 
 
 class IntactBlobError(ControlPlaneError):
@@ -282,7 +287,7 @@ class ControlPlane:
             if status != 429 and self._failing_since is None:
                 self._failing_since = time.monotonic()
             if time.monotonic() + pause > deadline:
-                raise ControlPlaneError(
+                raise UnansweredError(
                     f"{method} {path}: {problem} (gave up after {window:g} s of retries)",
                     status=status,
                 )

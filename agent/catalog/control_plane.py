@@ -27,6 +27,7 @@ from agent.catalog.client import (
     IncompleteCommitError,
     IntactBlobError,
     Registration,
+    UnansweredError,
     no_answer,
 )
 from agent.catalog.manifests import versions
@@ -145,7 +146,7 @@ class ControlPlaneCatalog:
         save = _Save(position)
         try:
             if self.attempt.registration is None or self.control.unreachable:
-                raise ControlPlaneError("the control plane is unreachable", status=None)
+                raise UnansweredError("the control plane is unreachable")
             return self._advance(save, upload, patience=ANSWER_SECONDS)
         except ControlPlaneError as err:
             if not no_answer(err):

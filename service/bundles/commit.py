@@ -204,7 +204,8 @@ def _finish_commit(
         _write_manifest(context.store, manifest)
         # The attempt reached this step: a floor for its steps lost should it be killed
         # before its next heartbeat.
-        attempt.last_step = max(attempt.last_step or 0, bundle.step)
+        if attempt is not None:
+            attempt.last_step = max(attempt.last_step or 0, bundle.step)
         _complete(
             context,
             session,
