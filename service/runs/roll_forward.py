@@ -43,7 +43,10 @@ def roll_forward(context: Context, principal: Principal, *, name: str) -> int | 
             session, attempt_id=predecessor.id, statuses=[BundleStatus.PENDING]
         )
         start = resumable_bundle(session, run)
-        if pending is None or (start is not None and pending.step <= start.step):
+        if pending is None or (
+            start is not None
+            and (pending.step, pending.micro_step) <= (start.step, start.micro_step)
+        ):
             return None
         bundle_id, attempt_id, epoch = pending.id, predecessor.id, predecessor.epoch
     reason = (
