@@ -249,10 +249,9 @@ class Checkpointer:
 
         While the previous save is still writing its bytes, a due save waits for it
         (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
-        returned and the next call tries again). A single process's save never waits on the
-        control plane: while it does not answer, saves go to the store and are committed in
-        the background when it answers again. In a job of many ranks a due save is skipped
-        while the control plane is unreachable: the save before keeps retrying.
+        returned and the next call tries again). A save never waits on the control plane:
+        while it does not answer, saves go to the store and are committed in the background
+        when it answers again (in a job of many ranks, by rank 0; ``agent.catalog.job``).
 
         After SIGTERM or SIGINT this is where the process ends: it waits for the save in
         flight, saves once more if its last measured save fits in what is left of the grace
@@ -343,7 +342,8 @@ class Checkpointer:
 
     def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
         """Tell the control plane how this attempt ended (finished, preempted or failed),
-        after the save in flight ends.
+        after the save in flight ends (a commit the control plane does not answer is waited
+        for at most ``server_retry_seconds``, then left to the next attempt: logged).
 
         A no-op store-only, or when no attempt was registered.
 
@@ -351,10 +351,13 @@ class Checkpointer:
             StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is
                 reported all the same).
         """
+        deadline = time.monotonic() + self.config.server_retry_seconds
         try:
-            self.wait()
+            self._persister.finish(seconds=self.config.server_retry_seconds)
         finally:
-            self._end(reason, final_save_committed=final_save_committed, patience=None)
+            # One window for the commits and the end together (a few seconds at least).
+            patience = max(deadline - time.monotonic(), 5.0)
+            self._end(reason, final_save_committed=final_save_committed, patience=patience)
 
     def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
         self._catalog.end(
@@ -365,14 +368,15 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the background thread and the
-        control-plane connection (the attempt is not ended: see ``end``).
+        """Wait for the save in flight (its commit at most ``server_retry_seconds`` while the
+        control plane does not answer, as ``end``), then release the background thread and
+        the control-plane connection (the attempt is not ended: see ``end``).
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed.
         """
         try:
-            self.wait()
+            self._persister.finish(seconds=self.config.server_retry_seconds)
         finally:
             for hook in self._step_hooks:
                 hook.remove()

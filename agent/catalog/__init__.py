@@ -28,7 +28,11 @@ def open_catalog(
     """The control plane's catalog when ``config.server`` names one, else the store's."""
     if not config.server:
         return StoreCatalog(store, run=config.run, ranks=ranks)
-    control = ControlPlane(config.server, token=config.token or default_token())
+    control = ControlPlane(
+        config.server,
+        token=config.token or default_token(),
+        retry_seconds=config.server_retry_seconds,
+    )
     return ControlPlaneCatalog(
         control,
         run=config.run,
