@@ -5,8 +5,10 @@ returns a ``PendingSave``, *written* once its bytes are in the store, and *durab
 catalog committed the bundle (``PendingSave.wait``). At most one save is being written (one
 staging copy): the next one waits for it or is skipped (``in_flight="skip"``). A commit the
 control plane does not answer is deferred to the commit thread, which commits such saves in
-order once it answers; each holds only its layer records meanwhile, not its bytes. A failed persist is raised exactly once, by ``PendingSave.wait``
-or else by the next ``Persister.wait``.
+order once it answers; each holds only its layer records meanwhile, not its bytes. The
+commit thread is a daemon: ``finish`` (``end()``, ``close()``) waits for it a bounded time.
+A failed persist is raised exactly once, by ``PendingSave.wait`` or else by the next
+``Persister.wait``.
 """
 
 from __future__ import annotations

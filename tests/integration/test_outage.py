@@ -57,7 +57,12 @@ def proxied(url: str, faults: Faults) -> Iterator[FaultProxy]:
 
 
 def start_trainer(
-    root: Path, url: str, folder: Path, *args: str, ranks: int = 1, **env: str
+    root: Path,
+    url: str,
+    folder: Path,
+    *args: str,
+    ranks: int = 1,
+    settings: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """The outage trainer in its own process (``ranks`` > 1: that many, under torchrun)."""
     folder.mkdir(exist_ok=True)
@@ -68,7 +73,7 @@ def start_trainer(
         "CKPT_STORE": str(root / "store"),
         "PYTHONPATH": str(Path(__file__).parents[2]),
         "OMP_NUM_THREADS": "1",
-        **env,
+        **(settings or {}),
     }
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
     trainer = ["-m", "tests.integration.outage_trainer", "run", str(folder)]
@@ -208,7 +213,9 @@ def test_a_trainer_ending_in_an_outage_exits_within_the_retry_window(tmp_path: P
     window = {"CKPT_SERVER_RETRY_SECONDS": "4"}
     with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
         first = tmp_path / "first"
-        trainer = start_trainer(tmp_path, proxy.url, first, "8", "2", "6!", "nowait", **window)
+        trainer = start_trainer(
+            tmp_path, proxy.url, first, "8", "2", "6!", "nowait", settings=window
+        )
         wait_until((first / "at-6").exists, "step 6", trainer)
         faults.rates["reset"] = 1.0
         went_at = time.monotonic()
