@@ -178,9 +178,8 @@ class Persister:
         return PendingSave(bundle=name, step=step, stall_seconds=0.0, future=future)
 
     def finish(self, *, seconds: float) -> SaveResult | None:
-        """Like ``wait``, but once the bytes are written give up on the commits the control
-        plane has not answered after ``seconds``: say at WARNING which bundles are in the store uncommitted (the
-        next attempt rolls a whole one forward) and return."""
+        """Like ``wait``, but once the bytes are written wait for commits the control plane
+        does not answer at most ``seconds``; then log which bundles stay uncommitted."""
         writing = self._writing
         if writing is not None:
             futures.wait([writing])  # the bytes, and the commit unless deferred
@@ -190,13 +189,10 @@ class Persister:
             uncommitted = [p.bundle for p in self._unsettled if not p.done()]
             self._unsettled = [p for p in self._unsettled if p.done()]  # waited for once
             log.warning(
-                "run %s: the control plane did not answer within %g s; not waiting longer for "
-                "the commit of %s (in the store, uncommitted: the next attempt commits a "
-                "bundle whose every layer was recorded, and resumes from the one before "
-                "otherwise)",
-                self._run,
-                seconds,
-                ", ".join(uncommitted),
+                "run %s: no answer from the control plane in %g s; not waiting longer for the "
+                "commit of %s, in the store (the next attempt commits a bundle whose every "
+                "layer was recorded, else resumes from the one before)",
+                *(self._run, seconds, ", ".join(uncommitted)),
             )
             return None
 
