@@ -250,10 +250,9 @@ class Checkpointer:
 
         While the previous save is still writing its bytes, a due save waits for it
         (``in_flight="wait"``, the default) or is skipped (``in_flight="skip"``: None is
-        returned and the next call tries again). A single process's save never waits on the
-        control plane: while it does not answer, saves go to the store and are committed in
-        the background when it answers again. In a job of many ranks a due save is skipped
-        while the control plane is unreachable: the save before keeps retrying.
+        returned and the next call tries again). A save never waits on the control plane:
+        while it does not answer, saves go to the store and are committed in the background
+        when it answers again (in a job of many ranks, by rank 0; ``agent.catalog.job``).
 
         After SIGTERM or SIGINT this is where the process ends: it waits for the save in
         flight, saves once more if its last measured save fits in what is left of the grace
@@ -343,20 +342,23 @@ class Checkpointer:
         return self._staging.release()
 
     def end(self, reason: str = "finished", *, final_save_committed: bool = False) -> None:
-        """Tell the control plane how this attempt ended (finished, preempted or failed),
-        after the save in flight ends (a no-op store-only, or when no attempt was registered).
-        "finished" also tells ``ckpt launch``, if it runs this process, not to restart it.
+        """Tell the control plane how this attempt ended (finished, preempted or failed), after
+        the save in flight ends (an unanswered commit waits at most ``server_retry_seconds``,
+        then is left to the next attempt, logged); "finished" also tells ``ckpt launch`` not to
+        restart it. A no-op store-only, or when no attempt was registered.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed (the end is
                 reported all the same).
         """
+        deadline = time.monotonic() + self.config.server_retry_seconds  # commits and the end
         try:
-            self.wait()
+            self._persister.finish(seconds=self.config.server_retry_seconds)
             if reason == "finished":
                 note_finished(rank=self.rank, world_size=self.world_size)
         finally:
-            self._end(reason, final_save_committed=final_save_committed, patience=None)
+            patience = max(deadline - time.monotonic(), 5.0)
+            self._end(reason, final_save_committed=final_save_committed, patience=patience)
 
     def _end(self, reason: str, *, final_save_committed: bool, patience: float | None) -> None:
         self._catalog.end(
@@ -367,16 +369,16 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Wait for the save in flight, then release what the checkpointer holds: its
-        threads, the signals (back to their handlers before it), the data's live iterator
-        (and with it the DataLoader's workers) and the control-plane connection. The
-        attempt is not ended: see ``end``.
+        """Wait for the save in flight (its commit at most ``server_retry_seconds``, as ``end``),
+        then release what it holds: its threads, the signals (back to their handlers before
+        it), the data's live iterator (and with it a DataLoader's workers) and the
+        control-plane connection. The attempt is not ended: see ``end``.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: the save in flight failed.
         """
         try:
-            self.wait()
+            self._persister.finish(seconds=self.config.server_retry_seconds)
         finally:
             for hook in self._step_hooks:
                 hook.remove()

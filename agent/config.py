@@ -38,6 +38,7 @@ ENV = {
     "grace_seconds": "CKPT_GRACE_SECONDS",
     "handle_signals": "CKPT_HANDLE_SIGNALS",
     "heartbeat_seconds": "CKPT_HEARTBEAT_SECONDS",
+    "server_retry_seconds": "CKPT_SERVER_RETRY_SECONDS",
     "quiet": "CKPT_QUIET",
     "rank_timeout_seconds": "CKPT_RANK_TIMEOUT_SECONDS",
     "notices": "CKPT_NOTICES",
@@ -75,6 +76,7 @@ class Keywords(TypedDict, total=False):
     grace_seconds: float | None
     handle_signals: bool | None
     heartbeat_seconds: float | None
+    server_retry_seconds: float | None
     quiet: bool | None
     rank_timeout_seconds: float | None
     notices: str | Iterable[str] | None
@@ -119,6 +121,9 @@ class Config:
         handle_signals: catch SIGTERM and SIGINT (``CKPT_HANDLE_SIGNALS``, default true).
         heartbeat_seconds: how often the attempt tells the control plane it is alive
             (``CKPT_HEARTBEAT_SECONDS``, default 10).
+        server_retry_seconds: how long each call to the control plane is retried while it
+            does not answer, and the longest ``end()`` and ``close()`` wait for commits it
+            has not answered (``CKPT_SERVER_RETRY_SECONDS``, default 120).
         quiet: print no line per resume and per durable save (``CKPT_QUIET``, default
             false; see ``agent.summary``).
         rank_timeout_seconds: how long the ranks of a job wait for each other at a meeting
@@ -157,6 +162,7 @@ class Config:
     grace_seconds: float = 30.0
     handle_signals: bool = True
     heartbeat_seconds: float = 10.0
+    server_retry_seconds: float = 120.0
     quiet: bool = False
     rank_timeout_seconds: float = 300.0
     notices: tuple[str, ...] = ()
@@ -186,6 +192,7 @@ class Config:
             "mtbf_seconds",
             "grace_seconds",
             "heartbeat_seconds",
+            "server_retry_seconds",
             "rank_timeout_seconds",
             "notice_poll_seconds",
         ):
@@ -269,6 +276,7 @@ def _parse(name: str, variable: str, text: str) -> object:
             "every_seconds",
             "grace_seconds",
             "heartbeat_seconds",
+            "server_retry_seconds",
             "rank_timeout_seconds",
             "notice_poll_seconds",
         ):

@@ -4,6 +4,7 @@ base           the ``Catalog`` protocol that restore and persist talk to
 store          store-only: the manifests in the store are the catalog
 manifests      the commit records: naming, writing, finding the newest, reading
 control_plane  through the control plane (``CKPT_SERVER``): attempts, fencing, lineage
+job            a job of many ranks' commit through it, and what an outage defers
 client         the control plane's REST calls, with retries
 registration   this process's attempt: register (fencing older ones), heartbeat, end
 """
@@ -28,7 +29,11 @@ def open_catalog(
     """The control plane's catalog when ``config.server`` names one, else the store's."""
     if not config.server:
         return StoreCatalog(store, run=config.run, ranks=ranks)
-    control = ControlPlane(config.server, token=config.token or default_token())
+    control = ControlPlane(
+        config.server,
+        token=config.token or default_token(),
+        retry_seconds=config.server_retry_seconds,
+    )
     return ControlPlaneCatalog(
         control,
         run=config.run,

@@ -91,9 +91,4 @@ class Catalog(Protocol):
         """Report ``figures()`` (where the attempt's time went) with the attempt's reports."""
         ...
 
-    def unreachable(self) -> bool:
-        """Whether the catalog cannot be reached now (a control plane that is down): a save
-        in flight is then retrying, and training should not wait for it."""
-        ...
-
     def close(self) -> None: ...

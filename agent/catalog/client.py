@@ -131,6 +131,10 @@ class ControlPlane:
         body = self._call("GET", f"/v1/bundles/{max(found)}")
         return Manifest.model_validate(body["manifest"])
 
+    def committed(self, bundle_id: int) -> bool:
+        """Whether the bundle is complete (committed)."""
+        return bool(self._call("GET", f"/v1/bundles/{bundle_id}")["status"] == "complete")
+
     def open_bundle(
         self,
         run: str,

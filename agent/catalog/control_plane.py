@@ -10,12 +10,14 @@ A single process's save never waits on the control plane for long: when it does 
 within ``ANSWER_SECONDS`` (down, restarting, unreachable), the save's bytes go to the store
 anyway (the store itself says which blobs it holds) and its commit is ``Deferred``: opened,
 recorded and committed in the background once the control plane answers, under the epoch of
-the attempt that wrote it, so a fenced attempt's save is refused as ever.
+the attempt that wrote it, so a fenced attempt's save is refused as ever. A job of many
+ranks does the same, deciding together at its meetings (``agent.catalog.job``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,29 +32,18 @@ from agent.catalog.client import (
     UnansweredError,
     no_answer,
 )
+from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
 from agent.catalog.store import store_held
-from agent.ranks.base import MEET_SECONDS, Ranks
+from agent.ranks.base import Ranks
 from agent.save.policy import Position
 from agent.save.upload import HeldBlobs
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
-from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
+from ckpt.core.errors import ControlPlaneError, StoreError
 from ckpt.core.storage import ObjectStore
 
 log = logging.getLogger("ckpt")
-
-# Upload, record and commit; a round that finds blobs gone uploads them again.
-_COMMIT_ROUNDS = 3
-
-# How long a save's calls wait for the control plane before the save defers its commit: a
-# due save may wait for the bytes of the one before, so this bounds what an outage's onset
-# costs training; a busy control plane that answers later only moves a commit to the
-# background.
-ANSWER_SECONDS = 0.5
-# A deferred commit retries each call for the client's window (2 minutes), this many times:
-# an outage of up to half an hour costs no save; a longer one fails it like any persist.
-DEFER_ROUNDS = 15
 
 
 @dataclass
@@ -87,9 +78,10 @@ class ControlPlaneCatalog:
             ranks=ranks,
             store_url=store_url,
         )
-        self._run, self._ranks, self._store_url = run, ranks, store_url
-        self._store = store
+        self.run, self.ranks, self.store, self._store_url = run, ranks, store, store_url
         self._verified: set[str] = set()  # blobs this process wrote or read back whole
+        self._closed = threading.Event()  # deferred commits stop waiting once set
+        self._job = JobCommit(self, closed=self._closed)
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
         """Register this attempt (fencing every older one); resume from the bundle the
@@ -111,7 +103,7 @@ class ControlPlaneCatalog:
         reads the blob back intact (this read went wrong on the way: retry)."""
         registration = self.attempt.registration
         if registration is not None and registration.store not in (None, self._store_url):
-            raise self._other_store(f"cannot read {manifest.run} step {manifest.step} ({reason})")
+            raise self.other_store(f"cannot read {manifest.run} step {manifest.step} ({reason})")
         if manifest.catalog is not None:
             epoch = registration.epoch if own and registration is not None else None
             try:
@@ -139,10 +131,10 @@ class ControlPlaneCatalog:
 
     def commit(self, upload: Upload, *, position: Position) -> Manifest | Deferred:
         """One bundle per attempt and position (the checkpointer saves a position once). A single
-        process defers the commit when the control plane does not answer; the ranks of a
-        job wait for it together (their meetings have a deadline of their own)."""
-        if self._ranks.world_size > 1:
-            return self._commit_new(self.attempt.current(), position, upload)
+        process defers the commit when the control plane does not answer; so do the ranks of
+        a job, together (``agent.catalog.job``)."""
+        if self.ranks.world_size > 1:
+            return self._job.commit(upload, position=position)
         save = _Save(position)
         try:
             if self.attempt.registration is None or self.control.unreachable:
@@ -153,10 +145,10 @@ class ControlPlaneCatalog:
                 raise
             problem = err
         if save.records is None:
-            save.records = upload(store_held(self._store, self._verified))
+            save.records = upload(store_held(self.store, self._verified))
         log.warning(
             "run %s: %s is in the store; its commit waits for the control plane (%s)",
-            self._run,
+            self.run,
             position,
             problem,
         )
@@ -168,10 +160,10 @@ class ControlPlaneCatalog:
             try:
                 return self._advance(save, None, patience=None)
             except ControlPlaneError as err:
-                if not no_answer(err):
+                if not no_answer(err) or self._closed.is_set():
                     raise
                 log.warning(
-                    "run %s: %s still waits for its commit: %s", self._run, save.position, err
+                    "run %s: %s still waits for its commit: %s", self.run, save.position, err
                 )
         return self._advance(save, None, patience=None)
 
@@ -182,7 +174,7 @@ class ControlPlaneCatalog:
         attempt = self.attempt.current()
         if save.bundle_id is None:
             save.bundle_id = self.control.open_bundle(
-                self._run,
+                self.run,
                 attempt=attempt,
                 step=save.position.step,
                 micro_step=save.position.micro_step,
@@ -191,10 +183,10 @@ class ControlPlaneCatalog:
                 patience=patience,
             )
         force: frozenset[str] = frozenset()
-        for _ in range(_COMMIT_ROUNDS):
+        for _ in range(COMMIT_ROUNDS):
             if save.records is None or force:
                 if upload is None and self._store_holds(save, force):
-                    raise self._other_store(
+                    raise self.other_store(
                         f"the control plane does not find {len(force)} blob(s) this job wrote"
                     )
                 if upload is None:
@@ -203,7 +195,7 @@ class ControlPlaneCatalog:
                         "the outage vanished before its commit (is garbage collection running "
                         "with a grace period shorter than the outage?); the save is not kept"
                     )
-                save.records = upload(self._held(force, patience=patience))
+                save.records = upload(self.held(force, patience=patience))
             for layer, record in save.records.items():
                 self.control.record_layer(
                     save.bundle_id,
@@ -213,75 +205,24 @@ class ControlPlaneCatalog:
                     record=record,
                     patience=patience,
                 )
-            outcome = self._commit_once(save.bundle_id, attempt, patience=patience)
+            outcome = self.commit_once(save.bundle_id, attempt, patience=patience)
             if isinstance(outcome, Manifest):
                 self._verified.update(
                     b.sha256 for record in save.records.values() for b in record.blobs
                 )
                 return outcome
             if force and outcome <= force:
-                raise self._other_store(
+                raise self.other_store(
                     f"the control plane does not find {len(outcome)} blob(s) this job has "
                     "just written"
                 )
             force = outcome
         raise ControlPlaneError(
-            f"bundle {save.bundle_id}: blobs kept vanishing through {_COMMIT_ROUNDS} rounds of "
+            f"bundle {save.bundle_id}: blobs kept vanishing through {COMMIT_ROUNDS} rounds of "
             "uploads (is garbage collection running with a grace period shorter than a save?)"
         )
 
-    def _commit_new(self, attempt: Registration, position: Position, upload: Upload) -> Manifest:
-        """Rank 0 opens; every rank uploads what the store lacks and records its layers; once
-        every rank has, rank 0 commits. A commit that finds blobs gone (collected while this
-        save deduplicated against them) has them uploaded again."""
-        bundle_id = self._ranks.from_first(
-            lambda: self.control.open_bundle(
-                self._run,
-                attempt=attempt,
-                step=position.step,
-                micro_step=position.micro_step,
-                world_size=self._ranks.world_size,
-                versions=versions(),
-            ),
-            timeout=MEET_SECONDS,
-        )
-        force: frozenset[str] = frozenset()
-        for _ in range(_COMMIT_ROUNDS):
-            self._record_round(bundle_id, attempt, upload, force)
-            outcome = self._ranks.from_first(
-                lambda: self._commit_once(bundle_id, attempt), timeout=MEET_SECONDS
-            )
-            if isinstance(outcome, Manifest):
-                return outcome
-            if force and outcome <= force:  # written just now, and still not seen
-                raise self._other_store(
-                    f"the control plane does not find {len(outcome)} blob(s) this job has "
-                    "just written"
-                )
-            log.warning(
-                "bundle %d: %d blob(s) vanished; uploading them again", bundle_id, len(outcome)
-            )
-            force = outcome
-        raise ControlPlaneError(
-            f"bundle {bundle_id}: blobs kept vanishing through {_COMMIT_ROUNDS} rounds of "
-            "uploads (is garbage collection running with a grace period shorter than a save?)"
-        )
-
-    def _record_round(
-        self, bundle_id: int, attempt: Registration, upload: Upload, force: frozenset[str]
-    ) -> None:
-        """This rank uploads and records its layers; then every rank learns whether all did."""
-        failure: CkptError | None = None
-        try:
-            self._record(bundle_id, attempt, upload(self._held(force)))
-        except CkptError as err:
-            failure = err
-        if not self._ranks.all_ok(failure is None, timeout=MEET_SECONDS):
-            if failure is not None:
-                raise failure
-            raise RankError(f"bundle {bundle_id}: another rank failed to record its layers")
-
-    def _commit_once(
+    def commit_once(
         self, bundle_id: int, attempt: Registration, *, patience: float | None = None
     ) -> Manifest | frozenset[str]:
         """The committed manifest, or the blobs the commit found missing."""
@@ -292,7 +233,7 @@ class ControlPlaneCatalog:
                 raise
             return frozenset(err.blobs)
 
-    def _other_store(self, problem: str) -> ControlPlaneError:
+    def other_store(self, problem: str) -> ControlPlaneError:
         """The agent and the control plane do not see the same store: say so, and how to fix
         it, rather than that blobs vanished or bundles are corrupt."""
         registration = self.attempt.registration
@@ -311,12 +252,12 @@ class ControlPlaneCatalog:
         control plane, not finding them, reads another store)."""
         assert save.records is not None
         refs = [b for r in save.records.values() for b in r.blobs if b.sha256 in blobs]
-        return store_held(self._store, self._verified)(refs) >= blobs
+        return store_held(self.store, self._verified)(refs) >= blobs
 
-    def _held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
+    def held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
         """Which blobs the store holds, by the control plane, less those to upload anyway;
         by the store itself while the control plane does not answer (a single process)."""
-        by_store = store_held(self._store, self._verified)
+        by_store = store_held(self.store, self._verified)
 
         def held(blobs: list[BlobRef]) -> set[str]:
             if patience is not None and self.control.unreachable:
@@ -331,14 +272,6 @@ class ControlPlaneCatalog:
 
         return held
 
-    def _record(
-        self, bundle_id: int, attempt: Registration, records: dict[Layer, LayerRecord]
-    ) -> None:
-        for layer, record in records.items():
-            self.control.record_layer(
-                bundle_id, rank=self._ranks.rank, layer=layer, epoch=attempt.epoch, record=record
-            )
-
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
         if bundle_id is not None:
             self.control.report_save(bundle_id, rank=rank, figures=figures)
@@ -346,15 +279,25 @@ class ControlPlaneCatalog:
     def end(
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
-        self.attempt.end(
-            reason, final_save_committed=final_save_committed, step=step, patience=patience
-        )
+        try:
+            self.attempt.end(
+                reason, final_save_committed=final_save_committed, step=step, patience=patience
+            )
+        except ControlPlaneError as err:
+            if not no_answer(err):
+                raise
+            log.warning(
+                "run %s: could not report the attempt's end (%s); without heartbeats the "
+                "control plane will mark it lost",
+                self.run,
+                err,
+            )
 
     def notice(self, notice: Notice, *, step: int) -> None:
         self.attempt.notice(notice, step=step)
 
     def preemption_rate(self) -> float | None:
-        return self.control.preemption_rate(self._run, patience=ESTIMATE_PATIENCE)
+        return self.control.preemption_rate(self.run, patience=ESTIMATE_PATIENCE)
 
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         self.attempt.interval = (seconds, waste_seconds_per_hour)
@@ -362,9 +305,7 @@ class ControlPlaneCatalog:
     def account(self, figures: Callable[[], dict[str, float | int] | None]) -> None:
         self.attempt.time = figures
 
-    def unreachable(self) -> bool:
-        return self.control.unreachable
-
     def close(self) -> None:
+        self._closed.set()
         self.attempt.stop()
         self.control.close()

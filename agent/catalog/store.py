@@ -133,9 +133,6 @@ class StoreCatalog:
     def account(self, figures: Callable[[], dict[str, float | int] | None]) -> None:
         return None  # no attempts without a control plane
 
-    def unreachable(self) -> bool:
-        return False  # the store's own failures fail the save; there is nothing to wait out
-
     def close(self) -> None:
         return None
 

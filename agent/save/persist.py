@@ -5,13 +5,17 @@ returns a ``PendingSave``, *written* once its bytes are in the store, and *durab
 catalog committed the bundle (``PendingSave.wait``). At most one save is being written (one
 staging copy): the next one waits for it or is skipped (``in_flight="skip"``). A commit the
 control plane does not answer is deferred to the commit thread, which commits such saves in
-order once it answers; each holds only its layer records meanwhile, not its bytes. A failed persist is raised exactly once, by ``PendingSave.wait``
-or else by the next ``Persister.wait``.
+order once it answers; each holds only its layer records meanwhile, not its bytes. The
+commit thread is a daemon: ``finish`` (``end()``, ``close()``) waits for it a bounded time.
+A failed persist is raised exactly once, by ``PendingSave.wait`` or else by the next
+``Persister.wait``.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
@@ -69,7 +73,10 @@ class Persister:
         self._unsettled: list[PendingSave] = []  # submitted, outcome not yet taken; oldest first
         self._writing: Future[None] | None = None  # the newest save's bytes, until written
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
-        self._commits = ThreadPoolExecutor(1, thread_name_prefix="ckpt-commit")
+        # Deferred commits, in order, on a daemon thread: one the control plane never
+        # answers must not hold the interpreter's exit (``finish`` bounds the wait).
+        self._commits: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._committer: threading.Thread | None = None
 
     @property
     def in_flight(self) -> PendingSave | None:
@@ -104,10 +111,14 @@ class Persister:
         return pending
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Block until every save submitted (if any) is durable, oldest first; raise the
-        first failure that ``PendingSave.wait`` did not raise already."""
+        """Block until every save submitted (if any) is durable, oldest first, for at most
+        ``timeout`` seconds in all; raise the first failure that ``PendingSave.wait`` did
+        not raise already."""
         result = None
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self._unsettled:
+            if deadline is not None:
+                timeout = max(deadline - time.monotonic(), 0.0)
             pending = self._unsettled[0]
             if pending.raised:
                 self._unsettled.pop(0)
@@ -119,36 +130,16 @@ class Persister:
                     self._unsettled.pop(0)
         return result
 
-    def ready(self, *, skip: bool, unreachable: Callable[[], bool], due_at: Position) -> bool:
+    def ready(self, *, skip: bool) -> bool:
         """Whether a due save may stage now: the save before has written its bytes, or did
         while waited for. With ``skip`` (``in_flight="skip"``) the due save is skipped
-        instead. A single process's bytes never wait on the control plane (its commit is
-        deferred); the ranks of a job commit together, so while the control plane is (or
-        becomes) unreachable their due save is skipped: training does not wait on it."""
+        instead. The bytes never wait on the control plane: a commit it does not answer is
+        deferred."""
         if self.settle(block=False):
             return True
         if skip:
             log.info("run %s: a save is still in flight; skipping this one", self._run)
             return False
-        alone = self._ranks.world_size == 1
-        if self.wait_unless(lambda: not alone and unreachable()):
-            return True
-        log.warning(
-            "run %s: the control plane is unreachable and the save before is retrying; "
-            "skipping the save due at %s",
-            self._run,
-            due_at,
-        )
-        return False
-
-    def wait_unless(self, stop: Callable[[], bool], *, poll: float = 0.05) -> bool:
-        """Wait for the save before to write its bytes, like ``settle``, but give up (False)
-        as soon as ``stop()`` is true, checked every ``poll`` seconds."""
-        writing = self._writing
-        while writing is not None and not writing.done():
-            if stop():
-                return False
-            futures.wait([writing], timeout=poll)
         return self.settle(block=True)
 
     def settle(self, *, block: bool) -> bool:
@@ -186,10 +177,42 @@ class Persister:
         )
         return PendingSave(bundle=name, step=step, stall_seconds=0.0, future=future)
 
+    def finish(self, *, seconds: float) -> SaveResult | None:
+        """Like ``wait``, but once the bytes are written wait for commits the control plane
+        does not answer at most ``seconds``; then log which bundles stay uncommitted."""
+        writing = self._writing
+        if writing is not None:
+            futures.wait([writing])  # the bytes, and the commit unless deferred
+        try:
+            return self.wait(timeout=seconds)
+        except TimeoutError:
+            uncommitted = [p.bundle for p in self._unsettled if not p.done()]
+            self._unsettled = [p for p in self._unsettled if p.done()]  # waited for once
+            log.warning(
+                "run %s: no answer from the control plane in %g s; not waiting longer for the "
+                "commit of %s, in the store (the next attempt commits a bundle whose every "
+                "layer was recorded, else resumes from the one before)",
+                *(self._run, seconds, ", ".join(uncommitted)),
+            )
+            return None
+
     def close(self) -> None:
-        """Release the threads, after the saves in flight (if any) end."""
+        """Release the persist thread, after the save it writes (if any) ends; a deferred
+        commit still waiting is abandoned with the process."""
         self._thread.shutdown(wait=True)
-        self._commits.shutdown(wait=True)
+
+    def _defer(self, commit: Callable[[], None]) -> None:
+        """Run ``commit`` on the commit thread, after those deferred before it."""
+        self._commits.put(commit)
+        if self._committer is None:
+            self._committer = threading.Thread(
+                target=self._commit_in_order, name="ckpt-commit", daemon=True
+            )
+            self._committer.start()
+
+    def _commit_in_order(self) -> None:
+        while True:
+            self._commits.get()()
 
     def _persist(
         self,
@@ -244,7 +267,7 @@ class Persister:
         if isinstance(outcome, Manifest):
             done(outcome)
         else:
-            self._commits.submit(self._commit_later, outcome, done, durable)
+            self._defer(lambda: self._commit_later(outcome, done, durable))
 
     def _commit_later(
         self, deferred: Deferred, done: Callable[[Manifest], None], durable: Future[SaveResult]

@@ -3,7 +3,8 @@
 A save is due by the policy (every N steps and/or T seconds, or ``every="auto"``'s interval)
 or because a cloud announced a preemption; a stop signal ends the process here instead
 (``attempt.grace``). A due save then waits for the bytes of the one before, or is skipped
-(``in_flight="skip"``; with many ranks, also while the control plane is unreachable). Every rank decides
+(``in_flight="skip"``); never for the control plane, whose commits wait in the background.
+Every rank decides
 alike: a signal, a clock or a notice on one rank moves them all at this same boundary.
 """
 
@@ -89,11 +90,7 @@ class SaveSchedule:
         if not due:
             return False
         waiting = time.perf_counter()
-        ready = self._persister.ready(
-            skip=self._skip and not noticed,
-            unreachable=self._catalog.unreachable,
-            due_at=position,
-        )
+        ready = self._persister.ready(skip=self._skip and not noticed)
         self._time_spent.stalled(time.perf_counter() - waiting)  # for the save in flight
         return self._ranks.all_ok(ready, timeout=MEET_SECONDS)
 

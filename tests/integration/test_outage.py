@@ -56,7 +56,15 @@ def proxied(url: str, faults: Faults) -> Iterator[FaultProxy]:
         proxy.close()
 
 
-def start_trainer(root: Path, url: str, folder: Path, *args: str) -> subprocess.Popen[bytes]:
+def start_trainer(
+    root: Path,
+    url: str,
+    folder: Path,
+    *args: str,
+    ranks: int = 1,
+    settings: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """The outage trainer in its own process (``ranks`` > 1: that many, under torchrun)."""
     folder.mkdir(exist_ok=True)
     env = {
         **os.environ,
@@ -64,8 +72,12 @@ def start_trainer(root: Path, url: str, folder: Path, *args: str) -> subprocess.
         "CKPT_TOKEN": TOKEN,
         "CKPT_STORE": str(root / "store"),
         "PYTHONPATH": str(Path(__file__).parents[2]),
+        "OMP_NUM_THREADS": "1",
+        **(settings or {}),
     }
-    command = [sys.executable, "-m", "tests.integration.outage_trainer", "run", str(folder)]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    trainer = ["-m", "tests.integration.outage_trainer", "run", str(folder)]
+    command = [sys.executable, *(launch if ranks > 1 else []), *trainer]
     with (folder / "trainer.log").open("wb") as log:
         return subprocess.Popen([*command, *args], env=env, cwd=root, stdout=log, stderr=log)
 
@@ -157,3 +169,65 @@ def test_a_bundle_whose_commit_never_came_is_rolled_forward(tmp_path: Path) -> N
     assert rolled["status"] == "complete" and rolled["attempt_id"] == bundles[12]["attempt_id"]
     reasons = [e["reason"] or "" for e in rolled["events"] if e["action"] == "committed"]
     assert any("rolled forward" in reason for reason in reasons), rolled["events"]
+
+
+def test_an_outage_skips_no_save_of_a_job_of_two_ranks(tmp_path: Path) -> None:
+    """Two DDP ranks under torchrun save every 2 steps through 10 s of dropped connections:
+    every save reaches the store, rank 0 commits each once the control plane answers, both
+    ranks see each durable, and a fresh 2-rank attempt resumes bit-exactly from the last."""
+    faults = Faults()
+    with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
+        first = tmp_path / "first"
+        trainer = start_trainer(tmp_path, proxy.url, first, "16", "2", "4", "12", ranks=2)
+        wait_until((first / "at-4").exists, "step 4", trainer)
+        faults.rates["reset"] = 1.0  # down: every connection dropped
+        down_at = time.monotonic()
+        (first / "go-4").touch()
+        wait_until((first / "at-12").exists, "step 12, in the outage", trainer)
+        wait_until(lambda: time.monotonic() - down_at >= OUTAGE_SECONDS, "the outage's end")
+        faults.rates.clear()
+        (first / "go-12").touch()
+        result = finish(trainer, first)
+        other = json.loads((first / "result-1.json").read_text())
+        committed = sorted(b["step"] for b in lineage(url)["bundles"] if b["status"] == "complete")
+        second = tmp_path / "second"
+        finish(start_trainer(tmp_path, proxy.url, second, "16", "2", ranks=2), second)
+    slowest = max(result["slowest_maybe_save"], other["slowest_maybe_save"])
+    print(f"longest maybe_save() call of either rank: {slowest * 1000:.1f} ms")
+    assert faults.seen["reset"] > 0
+    assert result["taken"] == other["taken"] == list(range(2, 17, 2)), result["log"]
+    assert result["durable"] == other["durable"] == result["taken"]
+    assert committed == result["taken"]
+    assert "skipping" not in result["log"] and "heartbeat failed" not in result["log"]
+    assert slowest < 2.0  # as for one process: the bytes before, and half a second
+    assert (second / "resumed").read_text() == "16"
+    assert same_weights(second / "resumed.pt", first / "weights-16.pt")
+
+
+def test_a_trainer_ending_in_an_outage_exits_within_the_retry_window(tmp_path: Path) -> None:
+    """The control plane goes down before the last save: end() and close() wait for its
+    commit for the client's retry window (4 s here), say what is left uncommitted, and the
+    process exits. The bundle was never opened (no layer recorded): the next attempt resumes
+    from the one before."""
+    faults = Faults()
+    window = {"CKPT_SERVER_RETRY_SECONDS": "4"}
+    with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
+        first = tmp_path / "first"
+        trainer = start_trainer(
+            tmp_path, proxy.url, first, "8", "2", "6!", "nowait", settings=window
+        )
+        wait_until((first / "at-6").exists, "step 6", trainer)
+        faults.rates["reset"] = 1.0
+        went_at = time.monotonic()
+        (first / "go-6").touch()
+        result = finish(trainer, first)
+        took = time.monotonic() - went_at
+        faults.rates.clear()
+        second = tmp_path / "second"
+        finish(start_trainer(tmp_path, proxy.url, second, "8", "2"), second)
+    print(f"the trainer exited {took:.1f} s after the control plane went down")
+    assert "not waiting longer for the commit of" in result["log"], result["log"]
+    # The window for the commit and the end together, and the process's own exit.
+    assert took < 4 + 5 + 20
+    assert (second / "resumed").read_text() == "6", (first / "trainer.log").read_text()
+    assert same_weights(second / "resumed.pt", first / "weights-6.pt")
