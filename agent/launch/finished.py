@@ -21,10 +21,14 @@ ENV = "CKPT_LAUNCH_FINISHED"
 
 
 def note_finished(*, rank: int, world_size: int) -> None:
-    """Tell the supervisor, if any, that this rank finished its training."""
+    """Tell the supervisor, if any, that this rank finished its training. Under torchrun the
+    supervisor of a node sees that node's ranks only: they are counted by their local rank
+    (a rank that finished finished the job's training, which its ranks train in step)."""
     folder = os.environ.get(ENV)
     if not folder:
         return
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        rank, world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     with contextlib.suppress(OSError):  # a supervisor's folder gone: it cannot be told
         (Path(folder) / f"rank-{rank}-of-{world_size}").touch()
 

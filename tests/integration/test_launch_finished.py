@@ -99,3 +99,11 @@ def test_an_attempt_finished_when_every_rank_noted_it(
     assert not all_finished(notes(1, world_size=2))  # rank 0 was stopped before its end
     assert not all_finished(notes(world_size=2))
     assert not all_finished(tmp_path / "absent")
+    # Two nodes of two ranks: a node's supervisor counts the ranks it runs, by local rank.
+    for rank in (2, 3):
+        monkeypatch.setenv("LOCAL_RANK", str(rank - 2))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        if rank == 2:
+            folder = notes(world_size=4)
+        note_finished(rank=rank, world_size=4)
+    assert all_finished(folder)
