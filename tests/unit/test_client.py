@@ -119,3 +119,29 @@ def test_a_rate_limited_call_waits_as_asked_and_goes_through() -> None:
         client.close()
         server.shutdown()
         server.server_close()
+
+
+class _Slow(_Busy):
+    """Answers every heartbeat, after a pause longer than a save's patience."""
+
+    pause = 1.5
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(self.pause)  # the control plane's own slowness, not the test's waiting
+        self._answer(200, {})
+
+
+def test_a_slow_answer_within_the_try_floor_is_an_answer() -> None:
+    # A save's calls are patient for 0.5 s; a busy control plane answering in 1.5 s must
+    # not be taken for one that is down (the save would defer its commit for nothing).
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = ControlPlane(f"http://127.0.0.1:{server.server_address[1]}", token=None)
+    try:
+        client.heartbeat(1, step=3, rank=0, patience=0.5)
+        assert not client.unreachable
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
