@@ -27,19 +27,37 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agent.catalog.base import Deferred, Upload
 from agent.catalog.client import ControlPlane, Registration, no_answer
 from agent.catalog.manifests import versions
+from agent.catalog.registration import Attempt
 from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
+from agent.save.upload import HeldBlobs
 from ckpt.core.contract import Layer, LayerRecord, Manifest, RankRecord
 from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
 from ckpt.core.storage import ObjectStore, keys
 
-if TYPE_CHECKING:
-    from agent.catalog.control_plane import ControlPlaneCatalog
+
+class JobCatalog(Protocol):
+    """What a job's commit uses of its control-plane catalog."""
+
+    control: ControlPlane
+    attempt: Attempt
+    ranks: Ranks
+    store: ObjectStore
+    run: str
+
+    def held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs: ...
+
+    def commit_once(
+        self, bundle_id: int, attempt: Registration, *, patience: float | None = None
+    ) -> Manifest | frozenset[str]: ...
+
+    def other_store(self, problem: str) -> ControlPlaneError: ...
+
 
 log = logging.getLogger("ckpt")
 
@@ -71,7 +89,7 @@ class _Late:
 class JobCommit:
     """Commits the bundles of one attempt of a job of many ranks."""
 
-    def __init__(self, catalog: ControlPlaneCatalog, *, closed: threading.Event) -> None:
+    def __init__(self, catalog: JobCatalog, *, closed: threading.Event) -> None:
         self._catalog = catalog
         self._control: ControlPlane = catalog.control
         self._ranks: Ranks = catalog.ranks
