@@ -29,7 +29,6 @@ from agent.catalog.client import (
     IncompleteCommitError,
     IntactBlobError,
     Registration,
-    UnansweredError,
     no_answer,
 )
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
@@ -81,6 +80,8 @@ class ControlPlaneCatalog:
         self.run, self.ranks, self.store, self._store_url = run, ranks, store, store_url
         self._verified: set[str] = set()  # blobs this process wrote or read back whole
         self._closed = threading.Event()  # deferred commits stop waiting once set
+        self._lock = threading.Lock()
+        self._waiting: set[Position] = set()  # saves whose commits are deferred, not ended
         self._job = JobCommit(self, closed=self._closed)
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
@@ -136,23 +137,49 @@ class ControlPlaneCatalog:
         if self.ranks.world_size > 1:
             return self._job.commit(upload, position=position)
         save = _Save(position)
-        try:
-            if self.attempt.registration is None or self.control.unreachable:
-                raise UnansweredError("the control plane is unreachable")
-            return self._advance(save, upload, patience=ANSWER_SECONDS)
-        except ControlPlaneError as err:
-            if not no_answer(err):
-                raise
-            problem = err
+        problem = self.why_defer()
+        if problem is None:
+            try:
+                return self._advance(save, upload, patience=ANSWER_SECONDS)
+            except ControlPlaneError as err:
+                if not no_answer(err):
+                    raise
+                problem = str(err)
         if save.records is None:
             save.records = upload(store_held(self.store, self._verified))
         log.warning(
-            "run %s: %s is in the store; its commit waits for the control plane (%s)",
+            "run %s: %s is in the store; its commit waits (%s)",
             self.run,
             position,
             problem,
         )
-        return Deferred(position=position, finish=lambda: self._finish(save))
+        return self.deferred(position, lambda: self._finish(save))
+
+    def why_defer(self) -> str | None:
+        """Why a save should not try the control plane now, or None: it is known not to
+        answer, or earlier saves still wait for their commits (bundles commit in order: a
+        newer one committed first would leave the older behind the run's head)."""
+        if self.attempt.registration is None or self.control.unreachable:
+            return "the control plane is unreachable"
+        with self._lock:
+            if self._waiting:
+                return f"{sorted(self._waiting)[0]} and after still wait for their commits"
+        return None
+
+    def deferred(self, position: Position, finish: Callable[[], Manifest]) -> Deferred:
+        """The commit ``finish`` left for the background; later saves defer behind it until
+        it ends, committed or failed."""
+        with self._lock:
+            self._waiting.add(position)
+
+        def in_order() -> Manifest:
+            try:
+                return finish()
+            finally:
+                with self._lock:
+                    self._waiting.discard(position)
+
+        return Deferred(position=position, finish=in_order)
 
     def _finish(self, save: _Save) -> Manifest:
         """Commit a deferred save once the control plane answers."""

@@ -25,7 +25,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,6 +57,10 @@ class JobCatalog(Protocol):
     ) -> Manifest | frozenset[str]: ...
 
     def other_store(self, problem: str) -> ControlPlaneError: ...
+
+    def why_defer(self) -> str | None: ...
+
+    def deferred(self, position: Position, finish: Callable[[], Manifest]) -> Deferred: ...
 
 
 log = logging.getLogger("ckpt")
@@ -129,8 +133,9 @@ class JobCommit:
         )
 
     def _open(self, attempt: Registration, position: Position) -> int | None:
-        """Rank 0 opens the bundle; None when the control plane does not answer in time."""
-        if self._control.unreachable:
+        """Rank 0 opens the bundle; None when the control plane does not answer in time, or
+        the save should not try it (``why_defer``)."""
+        if self._catalog.why_defer() is not None:
             return None
         try:
             return self._open_bundle(attempt, position, patience=ANSWER_SECONDS)
@@ -234,7 +239,7 @@ class JobCommit:
         if self._ranks.rank != 0:
             return Deferred(position=position, finish=lambda: self._seen(attempt, position))
         late = _Late(position, bundle_id, records, in_store)
-        return Deferred(position=position, finish=lambda: self._finish(attempt, late))
+        return self._catalog.deferred(position, lambda: self._finish(attempt, late))
 
     def _finish(self, attempt: Registration, late: _Late) -> Manifest:
         """Rank 0, once the control plane answers: open, record what is in rank records,

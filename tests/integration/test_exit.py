@@ -58,9 +58,11 @@ def train_and_close(root: Path) -> tuple[weakref.ref[Checkpointer], weakref.ref[
 
 
 def test_a_closed_checkpointer_keeps_no_thread_and_nothing_it_was_given(tmp_path: Path) -> None:
+    before = set(threading.enumerate())  # other tests in this worker may have left theirs
     checkpointer, model = train_and_close(tmp_path)
     gc.collect()
-    assert [t.name for t in threading.enumerate() if t.name.startswith("ckpt-")] == []
+    left = [t.name for t in threading.enumerate() if t not in before]
+    assert [name for name in left if name.startswith("ckpt-")] == []
     assert checkpointer() is None
     assert model() is None
 

@@ -52,7 +52,8 @@ def test_each_resume_and_durable_save_prints_one_line(tmp_path: Path) -> None:
     assert "new), stall " in first[1] and "durable after " in first[1]
     second = run(tmp_path / "store").splitlines()
     assert second[0] == (
-        "ckpt: run words: resumed from runs/words/bundles/000000000005 at step 5, micro step 2 "
+        "ckpt: run words: resumed from runs/words/bundles/000000000005_000002 at step 5, "
+        "micro step 2 "
         "(layers weights, optimizer, scheduler, rng, data, counters)"
     )
     assert second[1].startswith("ckpt: run words: saved step 10, micro step 2: ")
@@ -84,7 +85,7 @@ def test_a_broken_stderr_fails_no_save(tmp_path: Path) -> None:
         assert process.stderr is not None
         process.stderr.close()  # every line ckpt prints now raises BrokenPipeError
         assert process.wait(timeout=300) == 0
-    assert (tmp_path / "store" / "runs" / "words" / "bundles" / "000000000005").is_dir()
+    assert (tmp_path / "store" / "runs" / "words" / "bundles" / "000000000005_000002").is_dir()
 
 
 AUTO = textwrap.dedent(

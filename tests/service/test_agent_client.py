@@ -14,6 +14,7 @@ from torch import nn
 from ckpt import Checkpointer, FencedError
 from ckpt.core.errors import ControlPlaneError
 from ckpt.core.storage import DirectoryStore, keys
+from tests.fault_proxy import FaultProxy, Faults
 from tests.service.conftest import Server
 
 
@@ -270,3 +271,55 @@ def test_a_finished_run_started_again_adds_no_bundle(server: Server, run_name: s
         run = client.get(f"/v1/runs/{run_name}").json()
     assert run["num_bundles"] == {"complete": 1}
     assert manifest.stat().st_mtime_ns == written
+
+
+def test_a_save_behind_a_deferred_commit_commits_after_it(
+    server: Server, run_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bundles commit in the order they were saved: a save made while an earlier one's
+    commit is deferred defers behind it, even with the control plane answering again (a
+    newer bundle committed first would leave the older one behind the run's head)."""
+    faults = Faults(rates={"reset": 1.0}, paths=r"^/v1/bundles/\d+/commit$")
+    proxy = FaultProxy(server.url, faults)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ckpt = Checkpointer(
+        run=run_name,
+        models=model,
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        store=server.store,
+        server=proxy.url,
+        token=server.admin_token,
+    )
+    try:
+        ckpt.resume()
+        ckpt.counters.step = 1
+        first = ckpt.save()  # opened and recorded; its commit is cut off: deferred
+        deadline = time.monotonic() + 120
+        while not faults.seen["reset"]:  # its commit tried, and cut off
+            assert time.monotonic() < deadline, "the first save never tried its commit"
+            time.sleep(0.05)
+        with server.client() as client:
+            (pending,) = client.get(f"/v1/runs/{run_name}/lineage").json()["bundles"]
+        faults.paths = rf"^/v1/bundles/{pending['id']}/commit$"  # the first's commit only
+        # Its retries back off (0.2, 0.4, ... s): after the fifth, the next is 3.2 s away,
+        # time for the control plane to answer another call and for the second save to begin.
+        while faults.seen["reset"] < 5:
+            assert time.monotonic() < deadline, "the first save's commit stopped retrying"
+            time.sleep(0.01)
+        control = ckpt._catalog.control  # type: ignore[attr-defined]
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            control.resumable(run_name)  # an answer: the control plane is up again
+            ckpt.counters.step = 2
+            second = ckpt.save()
+            assert not second.done()
+            faults.rates = {}  # the first's commit goes through at its next retry
+            assert (first.wait().step, second.wait().step) == (1, 2)
+        assert "step 1 and after still wait for their commits" in caplog.text
+        with server.client() as client:
+            bundles = client.get(f"/v1/runs/{run_name}/lineage").json()["bundles"]
+        committed = sorted(bundles, key=lambda b: (b["committed_at"], b["id"]))
+        assert [(b["step"], b["status"]) for b in committed] == [(1, "complete"), (2, "complete")]
+    finally:
+        ckpt.close()
+        proxy.close()

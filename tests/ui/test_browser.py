@@ -176,6 +176,12 @@ def test_sign_in_and_walk_from_the_runs_to_a_run_to_a_bundle(
         assert headers.get("referrer-policy") == "no-referrer", response.url
 
 
+def total_lost(run: dict[str, Any]) -> str:
+    """A run's steps lost as the pages write them: "≥ 3" where a lost attempt makes the
+    figure a lower bound (the catalog's SIGKILLed attempt does)."""
+    return ("" if run["steps_lost_total_exact"] else "≥ ") + str(run["steps_lost_total"])
+
+
 def test_the_runs_page_shows_each_runs_figures_filters_and_pages(
     open_page: OpenPage, catalog: Catalog
 ) -> None:
@@ -191,7 +197,7 @@ def test_the_runs_page_shows_each_runs_figures_filters_and_pages(
     assert cell(page, row, "preemptions") == "1"
     assert cell(page, row, "head_step") == "20"
     assert cell(page, row, "resumable_step") == "20"
-    assert cell(page, row, "steps_lost") == str(catalog.run["steps_lost_total"])
+    assert cell(page, row, "steps_lost") == total_lost(catalog.run)
     for column in ("resumable_age", "goodput", "bytes_stored", "dedup_saving"):
         assert cell(page, row, column), column
     assert page.locator(f'{row} [data-col="name"] a').get_attribute("href") == f"/ui/runs/{RUN}"
@@ -304,7 +310,8 @@ def test_the_run_page_tables_the_attempts_the_save_figures_and_the_summary(
         for column in ("started", "ended"):
             assert cell(page, row, column), (row, column)
         if attempt["steps_lost"]:
-            assert cell(page, row, "steps_lost") == str(attempt["steps_lost"])
+            exact = "" if attempt["steps_lost_exact"] else "≥ "  # lost: a lower bound
+            assert cell(page, row, "steps_lost") == f"{exact}{attempt['steps_lost']}"
     series = _attributes(page, "svg#saves polyline.series", "series")
     assert sorted(s["series"] for s in series) == ["new_bytes", "persist", "stall", "throughput"]
     for polyline in page.locator("svg#saves polyline.series").all():
@@ -313,7 +320,7 @@ def test_the_run_page_tables_the_attempts_the_save_figures_and_the_summary(
     assert cell(page, summary, "state") == "finished"
     assert cell(page, summary, "head_step") == "20"
     assert cell(page, summary, "resumable_step") == "20"
-    assert cell(page, summary, "steps_lost") == str(catalog.run["steps_lost_total"])
+    assert cell(page, summary, "steps_lost") == total_lost(catalog.run)
     assert cell(page, summary, "goodput")
     seen.assert_clean()
 
