@@ -39,7 +39,7 @@ from agent.ranks.base import Ranks
 from agent.save.policy import Position
 from agent.save.upload import HeldBlobs
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures
-from ckpt.core.errors import ControlPlaneError, StoreError
+from ckpt.core.errors import ControlPlaneError, SaveLostError, StoreError
 from ckpt.core.storage import ObjectStore
 
 log = logging.getLogger("ckpt")
@@ -217,7 +217,7 @@ class ControlPlaneCatalog:
                         f"the control plane does not find {len(force)} blob(s) this job wrote"
                     )
                 if upload is None:
-                    raise ControlPlaneError(
+                    raise SaveLostError(
                         f"bundle {save.bundle_id}: {len(force)} blob(s) this save wrote during "
                         "the outage vanished before its commit (is garbage collection running "
                         "with a grace period shorter than the outage?); the save is not kept"

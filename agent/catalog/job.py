@@ -37,7 +37,7 @@ from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
 from agent.save.upload import HeldBlobs
 from ckpt.core.contract import Layer, LayerRecord, Manifest, RankRecord
-from ckpt.core.errors import CkptError, ControlPlaneError, RankError, StoreError
+from ckpt.core.errors import CkptError, ControlPlaneError, RankError, SaveLostError, StoreError
 from ckpt.core.storage import ObjectStore, keys
 
 
@@ -267,7 +267,7 @@ class JobCommit:
         outcome = self._catalog.commit_once(late.bundle_id, attempt)
         if isinstance(outcome, Manifest):
             return outcome
-        raise ControlPlaneError(
+        raise SaveLostError(
             f"bundle {late.bundle_id}: {len(outcome)} blob(s) this job wrote during the outage "
             "vanished before its commit (is garbage collection running with a grace period "
             "shorter than the outage?); the save is not kept"

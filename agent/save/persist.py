@@ -1,14 +1,12 @@
 """The background half of a save: hash, upload, record, commit, on one thread.
 
-``Checkpointer.save`` stages the state and hands it here; the save is *staged* when it
-returns a ``PendingSave``, *written* once its bytes are in the store, and *durable* once the
-catalog committed the bundle (``PendingSave.wait``). At most one save is being written (one
-staging copy): the next one waits for it or is skipped (``in_flight="skip"``). A commit the
-control plane does not answer is deferred to the commit thread, which commits such saves in
-order once it answers; each holds only its layer records meanwhile, not its bytes. The
-commit thread is a daemon: ``finish`` (``end()``, ``close()``) waits for it a bounded time.
-A failed persist is raised exactly once, by ``PendingSave.wait`` or else by the next
-``Persister.wait``.
+A save is *staged* when ``Checkpointer.save`` returns its ``PendingSave``, *written* once its
+bytes are in the store, *durable* once the catalog committed it (``PendingSave.wait``). One
+save is written at a time (one staging copy): the next waits or is skipped. A commit the
+control plane does not answer goes to the commit thread (a daemon, which ``finish`` waits
+for a bounded time): it commits in order once answered, holding only layer records. A
+failure is raised once, by ``PendingSave.wait`` or the next ``Persister.wait``; a deferred
+save that cannot be committed (``SaveLostError``) by its own ``wait`` only.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from agent.save.upload import (
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
 from ckpt.core.contract import Layer, LayerRecord, Manifest
-from ckpt.core.errors import CkptError, StateChangedError
+from ckpt.core.errors import CkptError, SaveLostError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
 
@@ -75,7 +73,7 @@ class Persister:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
         # Deferred commits, in order, on a daemon thread: one the control plane never
         # answers must not hold the interpreter's exit (``finish`` bounds the wait).
-        self._commits: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commits: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._committer: threading.Thread | None = None
 
     @property
@@ -92,8 +90,7 @@ class Persister:
         stall: float,
         position: Position,
     ) -> PendingSave:
-        """Start persisting a staged save; the previous one's bytes must be written
-        (``settle``)."""
+        """Start persisting a staged save, the previous one's bytes written (``settle``)."""
         durable: Future[SaveResult] = Future()
         self._writing = self._thread.submit(
             self._persist,
@@ -125,6 +122,8 @@ class Persister:
                 continue
             try:
                 result = pending.wait(timeout)
+            except SaveLostError:
+                pass  # logged; the next save replaces it
             finally:
                 if pending.done():  # not when interrupted: its buffers are still in use
                     self._unsettled.pop(0)
@@ -132,9 +131,7 @@ class Persister:
 
     def ready(self, *, skip: bool) -> bool:
         """Whether a due save may stage now: the save before has written its bytes, or did
-        while waited for. With ``skip`` (``in_flight="skip"``) the due save is skipped
-        instead. The bytes never wait on the control plane: a commit it does not answer is
-        deferred."""
+        while waited for; with ``skip`` (``in_flight="skip"``) it is skipped instead."""
         if self.settle(block=False):
             return True
         if skip:
@@ -152,7 +149,7 @@ class Persister:
             futures.wait([writing])
         for pending in [p for p in self._unsettled if p.done()]:
             self._unsettled.remove(pending)
-            if not pending.raised:
+            if not pending.raised and not pending.lost:
                 pending.wait()  # raises its failure
         return True
 
@@ -189,17 +186,17 @@ class Persister:
             uncommitted = [p.bundle for p in self._unsettled if not p.done()]
             self._unsettled = [p for p in self._unsettled if p.done()]  # waited for once
             log.warning(
-                "run %s: no answer from the control plane in %g s; not waiting longer for the "
-                "commit of %s, in the store (the next attempt commits a bundle whose every "
-                "layer was recorded, else resumes from the one before)",
+                "run %s: no answer from the control plane in %g s; %s stay uncommitted in the "
+                "store (the next attempt commits one whose layers were all recorded)",
                 *(self._run, seconds, ", ".join(uncommitted)),
             )
             return None
 
     def close(self) -> None:
-        """Release the persist thread, after the save it writes (if any) ends; a deferred
-        commit still waiting is abandoned with the process."""
+        """Release the persist thread once its save is written; a deferred commit waiting
+        is abandoned with the process."""
         self._thread.shutdown(wait=True)
+        self._commits.put(None)  # the commit thread ends after the commits before
 
     def _defer(self, commit: Callable[[], None]) -> None:
         """Run ``commit`` on the commit thread, after those deferred before it."""
@@ -211,8 +208,8 @@ class Persister:
             self._committer.start()
 
     def _commit_in_order(self) -> None:
-        while True:
-            self._commits.get()()
+        while (commit := self._commits.get()) is not None:
+            commit()
 
     def _persist(
         self,
@@ -224,8 +221,7 @@ class Persister:
         position: Position,
         durable: Future[SaveResult],
     ) -> None:
-        """Write the save's bytes and commit it, or hand a deferred commit to the commit
-        thread; ``durable`` gets the outcome."""
+        """Write the save's bytes and commit it (or defer: ``durable`` gets the outcome)."""
         started = time.perf_counter()
         stats = WriteStats()
         hashes = BlobHashes(previous=self._blob_hashes, unchanged=staged.unchanged)
@@ -275,7 +271,10 @@ class Persister:
         try:
             manifest = deferred.finish()
         except Exception as err:
-            log.exception("run %s: committing %s failed", self._run, self._name(deferred.position))
+            lost = isinstance(err, SaveLostError)  # not raised: the next save replaces it
+            (log.warning if lost else log.exception)(
+                "run %s %s: %s", self._run, deferred.position, err
+            )
             durable.set_exception(err)
             return
         done(manifest)

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ckpt.core.contract import SaveFigures
+from ckpt.core.errors import SaveLostError
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ class PendingSave:
     def done(self) -> bool:
         """Whether the persist ended, committed or failed."""
         return self._future.done()
+
+    @property
+    def lost(self) -> bool:
+        """Whether the save was deferred through an outage and could not be committed
+        (``SaveLostError``): logged, and raised by this ``wait()`` only, never by a later call
+        of the checkpointer; the next save replaces it."""
+        return self._future.done() and isinstance(self._future.exception(), SaveLostError)
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Block until the bundle is durable.

@@ -10,7 +10,8 @@
     ├── StoreError                 the object store failed to read or write a key
     │   └── BadObjectError         the store answered: no such key, or an object too large
     └── ControlPlaneError          the control plane refused a request or is unreachable
-        └── FencedError            a newer attempt of the run registered; stop writing
+        ├── FencedError            a newer attempt of the run registered; stop writing
+        └── SaveLostError          a save deferred through an outage cannot be committed; the next replaces it
 
 Bad configuration raises ``ValueError`` at construction, with what to change.
 """
@@ -78,3 +79,9 @@ class ControlPlaneError(CkptError):
 
 class FencedError(ControlPlaneError):
     """A newer attempt of the run registered: this process must stop writing and exit."""
+
+
+class SaveLostError(ControlPlaneError):
+    """A save whose commit was deferred through a control-plane outage cannot be committed
+    (blobs it wrote were collected meanwhile, and its bytes are no longer at hand). Training
+    goes on: the next save replaces it. Raised only by that save's ``PendingSave.wait``."""

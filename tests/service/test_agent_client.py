@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ckpt import Checkpointer, FencedError
-from ckpt.core.errors import ControlPlaneError
+from ckpt.core.errors import ControlPlaneError, SaveLostError
 from ckpt.core.storage import DirectoryStore, keys
 from tests.fault_proxy import FaultProxy, Faults
 from tests.service.conftest import Server
@@ -320,6 +320,51 @@ def test_a_save_behind_a_deferred_commit_commits_after_it(
             bundles = client.get(f"/v1/runs/{run_name}/lineage").json()["bundles"]
         committed = sorted(bundles, key=lambda b: (b["committed_at"], b["id"]))
         assert [(b["step"], b["status"]) for b in committed] == [(1, "complete"), (2, "complete")]
+    finally:
+        ckpt.close()
+        proxy.close()
+
+
+def test_a_deferred_save_whose_blobs_vanished_is_lost_and_training_goes_on(
+    server: Server, run_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its staging reused, a deferred save cannot write again the blobs collected during the
+    outage: it is lost (its own ``wait`` says so), and nothing else raises; the next save
+    writes them anew."""
+    faults = Faults(rates={"reset": 1.0}, paths=r"^/v1/bundles/\d+/commit$")
+    proxy = FaultProxy(server.url, faults)
+    torch.manual_seed(27)
+    model = nn.Linear(5, 3)  # blobs of its own: no other test shares them
+    ckpt = Checkpointer(
+        run=run_name,
+        models=model,
+        store=server.store,
+        server=proxy.url,
+        token=server.admin_token,
+    )
+    started = time.time() - 1
+    try:
+        ckpt.resume()
+        ckpt.counters.step = 1
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            first = ckpt.save()
+            deadline = time.monotonic() + 120
+            while "its commit waits" not in caplog.text:  # written, recorded, deferred
+                assert time.monotonic() < deadline, "the save's commit was never deferred"
+                time.sleep(0.05)
+            blobs = [p for p in (server.store.root / "blobs").rglob("*") if p.is_file()]
+            (victim,) = [p for p in blobs if p.stat().st_mtime >= started][:1]
+            victim.unlink()  # collected meanwhile (a grace period shorter than the outage)
+            faults.rates = {}
+            with pytest.raises(SaveLostError, match="vanished before its commit"):
+                first.wait()
+            ckpt.counters.step = 2
+            assert ckpt.save().wait().step == 2  # nothing raised the lost one again
+            ckpt.wait()
+            ckpt.end()
+        assert "run " + run_name + " step 1: bundle" in caplog.text
+        with server.client() as client:
+            assert client.get(f"/v1/runs/{run_name}/resumable").json()["step"] == 2
     finally:
         ckpt.close()
         proxy.close()
