@@ -212,15 +212,17 @@ class ControlPlaneCatalog:
         force: frozenset[str] = frozenset()
         for _ in range(COMMIT_ROUNDS):
             if save.records is None or force:
-                if upload is None and self._store_holds(save, force):
+                if upload is None and self._elsewhere():
                     raise self.other_store(
                         f"the control plane does not find {len(force)} blob(s) this job wrote"
                     )
                 if upload is None:
                     raise SaveLostError(
                         f"bundle {save.bundle_id}: {len(force)} blob(s) this save wrote during "
-                        "the outage vanished before its commit (is garbage collection running "
-                        "with a grace period shorter than the outage?); the save is not kept"
+                        "the outage are not accepted at its commit: collected meanwhile (a "
+                        "garbage-collection grace period shorter than the outage), or written "
+                        "before its bundle was opened under a run token (run isolation); the "
+                        "save is not kept"
                     )
                 save.records = upload(self.held(force, patience=patience))
             for layer, record in save.records.items():
@@ -274,12 +276,10 @@ class ControlPlaneCatalog:
             + ("; for S3, also the same CKPT_S3_ENDPOINT" if same_url else "")
         )
 
-    def _store_holds(self, save: _Save, blobs: frozenset[str]) -> bool:
-        """Whether this process's store holds every one of ``blobs`` that ``save`` wrote (the
-        control plane, not finding them, reads another store)."""
-        assert save.records is not None
-        refs = [b for r in save.records.values() for b in r.blobs if b.sha256 in blobs]
-        return store_held(self.store, self._verified)(refs) >= blobs
+    def _elsewhere(self) -> bool:
+        """Whether the control plane names a store other than this process's."""
+        registration = self.attempt.registration
+        return registration is not None and registration.store not in (None, self._store_url)
 
     def held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
         """Which blobs the store holds, by the control plane, less those to upload anyway;

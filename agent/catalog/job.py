@@ -269,8 +269,9 @@ class JobCommit:
             return outcome
         raise SaveLostError(
             f"bundle {late.bundle_id}: {len(outcome)} blob(s) this job wrote during the outage "
-            "vanished before its commit (is garbage collection running with a grace period "
-            "shorter than the outage?); the save is not kept"
+            "are not accepted at its commit: collected meanwhile (a garbage-collection grace "
+            "period shorter than the outage), or written before its bundle was opened under a "
+            "run token (run isolation); the save is not kept"
         )
 
     def _layers_of(self, rank: int, late: _Late) -> Mapping[Layer, LayerRecord]:

@@ -157,5 +157,9 @@ class Attempt:
             except FencedError as err:
                 log.error("run %s: %s; heartbeats stop", self._run, err)
                 return
+            except RuntimeError:  # httpx: the client closed under a heartbeat still retrying
+                if self._stopping.is_set():
+                    return
+                raise
             except CkptError as err:
                 log.warning("run %s: heartbeat failed: %s", self._run, err)

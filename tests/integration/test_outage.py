@@ -226,7 +226,7 @@ def test_a_trainer_ending_in_an_outage_exits_within_the_retry_window(tmp_path: P
         second = tmp_path / "second"
         finish(start_trainer(tmp_path, proxy.url, second, "8", "2"), second)
     print(f"the trainer exited {took:.1f} s after the control plane went down")
-    assert "not waiting longer for the commit of" in result["log"], result["log"]
+    assert "stay uncommitted in the store" in result["log"], result["log"]
     # The window for the commit and the end together, and the process's own exit.
     assert took < 4 + 5 + 20
     assert (second / "resumed").read_text() == "6", (first / "trainer.log").read_text()
