@@ -113,6 +113,21 @@ def same_weights(first: Path, second: Path) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def through_an_outage(
+    trainer: subprocess.Popen[bytes], folder: Path, faults: Faults, *, down: int, up: int
+) -> None:
+    """Drop every connection from step ``down`` until the trainer, paused at step ``up``,
+    has trained through at least ``OUTAGE_SECONDS`` of it; then let it go on."""
+    wait_until((folder / f"at-{down}").exists, f"step {down}", trainer)
+    faults.rates["reset"] = 1.0  # down: every connection dropped
+    down_at = time.monotonic()
+    (folder / f"go-{down}").touch()
+    wait_until((folder / f"at-{up}").exists, f"step {up}, in the outage", trainer)
+    wait_until(lambda: time.monotonic() - down_at >= OUTAGE_SECONDS, "the outage's end")
+    faults.rates.clear()
+    (folder / f"go-{up}").touch()
+
+
 def test_an_outage_skips_no_save_and_never_holds_training(tmp_path: Path) -> None:
     """The control plane drops every connection for 10 s while the trainer trains and saves
     (every 2 steps, 5 of them in the outage): every save is committed once it answers."""
@@ -120,14 +135,7 @@ def test_an_outage_skips_no_save_and_never_holds_training(tmp_path: Path) -> Non
     with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
         first = tmp_path / "first"
         trainer = start_trainer(tmp_path, proxy.url, first, "20", "2", "6", "16")
-        wait_until((first / "at-6").exists, "step 6", trainer)
-        faults.rates["reset"] = 1.0  # down: every connection dropped
-        down_at = time.monotonic()
-        (first / "go-6").touch()
-        wait_until((first / "at-16").exists, "step 16, in the outage", trainer)
-        wait_until(lambda: time.monotonic() - down_at >= OUTAGE_SECONDS, "the outage's end")
-        faults.rates.clear()
-        (first / "go-16").touch()
+        through_an_outage(trainer, first, faults, down=6, up=16)
         result = finish(trainer, first)
         committed = sorted(b["step"] for b in lineage(url)["bundles"] if b["status"] == "complete")
         second = tmp_path / "second"
@@ -179,14 +187,7 @@ def test_an_outage_skips_no_save_of_a_job_of_two_ranks(tmp_path: Path) -> None:
     with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
         first = tmp_path / "first"
         trainer = start_trainer(tmp_path, proxy.url, first, "16", "2", "4", "12", ranks=2)
-        wait_until((first / "at-4").exists, "step 4", trainer)
-        faults.rates["reset"] = 1.0  # down: every connection dropped
-        down_at = time.monotonic()
-        (first / "go-4").touch()
-        wait_until((first / "at-12").exists, "step 12, in the outage", trainer)
-        wait_until(lambda: time.monotonic() - down_at >= OUTAGE_SECONDS, "the outage's end")
-        faults.rates.clear()
-        (first / "go-12").touch()
+        through_an_outage(trainer, first, faults, down=4, up=12)
         result = finish(trainer, first)
         other = json.loads((first / "result-1.json").read_text())
         committed = sorted(b["step"] for b in lineage(url)["bundles"] if b["status"] == "complete")
