@@ -10,20 +10,18 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ckpt.core.version import __version__
+from service.apidocs import serve_docs
 from service.auth.endpoints import router as tokens_router
 from service.bulk import not_json
 from service.bundles.endpoints import router as bundles_router
@@ -48,8 +46,6 @@ from service.settings import Settings, embedded_admin_token
 from service.ui.endpoints import install as install_dashboard
 
 log = logging.getLogger("ckpt.service")
-# Swagger UI's files, vendored (static/swagger-ui/README.md says from where).
-STATIC = Path(__file__).parent / "static"
 
 
 def create_app(settings: Settings | None = None, *, context: Context | None = None) -> FastAPI:
@@ -66,7 +62,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
         version=__version__,
         summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
         lifespan=_lifespan(settings, context),
-        docs_url=None,  # served by _serve_docs, from the package's own Swagger UI
+        docs_url=None,  # served by serve_docs, from the package's own Swagger UI
         redoc_url=None,
     )
     app.state.context = context
@@ -81,7 +77,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
         scrub_router,
     ):
         app.include_router(router)
-    _serve_docs(app)
+    serve_docs(app)  # /docs: Swagger UI, from the package
     install_dashboard(app)  # /ui/: the lineage dashboard, and / redirecting there
     _handle_errors(app)
     _count_requests(app, context)
@@ -134,26 +130,6 @@ async def _periodically(task: Periodic, context: Context, *, stop: asyncio.Event
         if stop.is_set():
             return
         await run_in_threadpool(run_once, task, context)
-
-
-def _serve_docs(app: FastAPI) -> None:
-    """``/docs``: Swagger UI from the files in ``static/``, so that the page works offline and
-    loads nothing from another site."""
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
-
-    @app.get("/docs", include_in_schema=False)
-    async def docs(request: Request) -> HTMLResponse:
-        root = request.scope.get("root_path", "").rstrip("/")
-        assets = f"{root}/static/swagger-ui"
-        return get_swagger_ui_html(
-            openapi_url=f"{root}{app.openapi_url}",
-            title=f"{app.title} - API",
-            swagger_js_url=f"{assets}/swagger-ui-bundle.js",
-            swagger_css_url=f"{assets}/swagger-ui.css",
-            swagger_favicon_url=f"{assets}/favicon-32x32.png",
-            # No validator badge: it would send the API description to validator.swagger.io.
-            swagger_ui_parameters={"validatorUrl": None},
-        )
 
 
 def _handle_errors(app: FastAPI) -> None:

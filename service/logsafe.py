@@ -1,10 +1,12 @@
-"""Log lines that a client cannot forge.
+"""Text that a client cannot forge: in the service's log lines and on the dashboard's pages.
 
-Client text (a quarantine reason, a pod name, a database error quoting a value) reaches the
-service's logs. A newline in it would start a line of the client's choosing, an escape
-sequence would rewrite the operator's terminal. ``escape`` writes every such character as a
-visible escape (``\\n``, ``\\x1b``, ``\\u2028``); ``protect`` installs a filter that applies it
-to every message of the service's loggers, whatever the call site formats into it.
+Client text (a quarantine reason, a pod name, a notice, a database error quoting a value)
+reaches the service's logs and pages. A newline in it would start a line of the client's
+choosing, an escape sequence would rewrite the operator's terminal, a bidirectional override
+(U+202E) would make "\\u202elive" read "evil". ``escape`` writes every such character as a
+visible escape (``\\n``, ``\\x1b``, ``\\u202e``); ``protect`` installs a filter that applies
+it to every message of the service's loggers, whatever the call site formats into it;
+``reveal`` does the same for a page's text, where line breaks and tabs are mere spaces.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import logging
 import re
 from collections.abc import Iterable
 
-# C0 controls, DEL, C1 controls and the Unicode line and paragraph separators: everything
-# that str.splitlines() or a terminal treats as more than a character.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+from service.names import HIDDEN, HIDDEN_BEYOND_C0
+
+# Everything service.names.HIDDEN holds: C0, DEL, C1, the Unicode line and paragraph
+# separators, the bidirectional controls and the other invisible format characters.
+_CONTROL = re.compile(f"[{HIDDEN}]")
+_ESCAPED = re.compile(f"[{HIDDEN}\\\\]")
+# On a page: the same but for the whitespace HTML shows as a space (and markup is made of).
+_ON_PAGE = re.compile(f"[\x00-\x08\x0b\x0c\x0e-\x1f{HIDDEN_BEYOND_C0}]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
 
 SERVICE_LOGGERS = (
@@ -35,7 +42,13 @@ def escape(text: object) -> str:
         return rendered
     # Backslashes are doubled too (only in lines that need escaping), so that a client
     # cannot write a literal "\n" that reads like an escaped newline.
-    return re.sub(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\\]", _escape_one, rendered)
+    return _ESCAPED.sub(_escape_one, rendered)
+
+
+def reveal(text: str) -> str:
+    """``text`` as a page shows it: each hidden character but line breaks and tabs written
+    as an escape (``\\u202e``); any other text, markup included, unchanged."""
+    return _ON_PAGE.sub(_escape_one, text) if _ON_PAGE.search(text) else text
 
 
 def _escape_one(match: re.Match[str]) -> str:
@@ -43,7 +56,9 @@ def _escape_one(match: re.Match[str]) -> str:
     if char in _NAMED:
         return _NAMED[char]
     code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 class EscapeControlCharacters(logging.Filter):

@@ -6,10 +6,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ckpt.core.contract import Manifest
-from service.names import PRINTABLE, Id, Label, RunName, Step
+from service.names import PRINTABLE, Hostname, Id, Label, RunName, Step
 
 Count = Annotated[int, Field(ge=1, le=1_000_000, strict=True)]
-Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=PRINTABLE)]
 # How an attempt says it ended (an EndReason); "lost" is the service's verdict, never reported.
 ReportedEnd = Literal["finished", "preempted", "failed"]
 

@@ -3,8 +3,10 @@ the live version of a run page, a bundle's manifest; and ``install``, which moun
 static files and the security headers on the app.
 
 Every page needs a session (else 303 to the sign-in form, with the page to come back to);
-every form needs its CSRF field and, when the browser says where the form came from, our
-own origin (else 403).
+every form needs its CSRF field; every post (a form or not, with a session or without)
+that the browser says comes from another origin is refused before any route runs (403).
+Every text a page shows has its hidden characters (bidirectional overrides, zero-width
+marks) written as escapes.
 """
 
 from __future__ import annotations
@@ -20,21 +22,35 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
 from sqlalchemy.orm import Session
 
 from service.context import Context
 from service.deps import ContextDep, IdPath
 from service.errors import ServiceError, UnauthorizedError
+from service.logsafe import reveal
 from service.models import utcnow
 from service.settings import admin_tokens
 from service.ui import pages, session
+from service.ui.crosssite import RefuseCrossSite
 from service.ui.formats import FILTERS
 from service.ui.headers import SecurityHeaders
 from service.ui.queries import PAGE_SIZE, STATES
 from service.ui.session import CSRF_COOKIE, SESSION_COOKIE, Viewer
 
 HERE = Path(__file__).parent
+
+
+def _shown(value: object) -> object:
+    """What an expression of a template puts on the page: a text (markup too) with its
+    hidden characters written as escapes (``logsafe.reveal``), anything else as it is."""
+    if isinstance(value, Markup):
+        return Markup(reveal(value))  # escapes are plain text: safe markup stays safe
+    return reveal(value) if isinstance(value, str) else value
+
+
 templates = Environment(
+    finalize=_shown,
     loader=FileSystemLoader(HERE / "templates"),
     autoescape=select_autoescape(default=True, default_for_string=True),
     trim_blocks=True,
@@ -51,11 +67,17 @@ MAX_PAGE = 10_000
 
 def install(app: FastAPI) -> None:
     """Mount the dashboard on ``app``: its routes, its static files, ``/`` redirecting to it,
-    and the security headers of every ``/ui`` response."""
+    the refusal of posts from other sites, and the security headers of every ``/ui`` (and
+    ``/docs``) response."""
     app.include_router(router)
     app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
     app.add_api_route("/", _home, methods=["GET"], include_in_schema=False)
-    app.add_middleware(SecurityHeaders)
+    app.add_middleware(RefuseCrossSite, refusal=_refused)
+    app.add_middleware(SecurityHeaders)  # outermost: a refusal carries the headers too
+
+
+def _refused(message: str) -> Response:
+    return render("error.html", status=403, viewer=None, message=message)
 
 
 async def _home() -> RedirectResponse:
@@ -150,6 +172,9 @@ def _viewer(context: Context, request: Request) -> Viewer | None:
 
 @router.post("/signout")
 async def signout(request: Request, context: ContextDep) -> Response:
+    """End the session in the catalog (its cookie opens nothing after, even replayed) and
+    clear the cookie. Without a live session there is nothing to guard but the cookie; a
+    post from another site never gets here (``RefuseCrossSite``)."""
     form = await _form(request)
     viewer = await run_in_threadpool(_viewer, context, request)
     expected = viewer.csrf if viewer else None

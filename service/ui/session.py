@@ -147,17 +147,18 @@ def form_allowed(request: Request, *, given: str | None, expected: str | None) -
 def same_site(request: Request) -> bool:
     """Whether the browser says the request comes from one of our own pages.
 
-    ``Origin`` when it names one; under ``Referrer-Policy: no-referrer`` browsers send
-    ``Origin: null`` even for our own forms, and then ``Sec-Fetch-Site`` says where the form
-    was. A client that sends neither (not a browser) is judged by the CSRF field alone.
+    ``Origin`` when it names one must be ours; under ``Referrer-Policy: no-referrer``
+    browsers send ``Origin: null`` even for our own forms, and ``Sec-Fetch-Site``, when sent,
+    must say ``same-origin``. A client that sends neither (not a browser) is judged by the
+    CSRF field alone.
     """
     origin = request.headers.get("origin")
-    if origin is not None and origin != "null":
-        return origin == own_origin(request)
+    if origin not in (None, "null") and origin != own_origin(request):
+        return False
     fetch_site = request.headers.get("sec-fetch-site")
     if fetch_site is not None:
         return fetch_site == "same-origin"
-    return origin is None
+    return origin != "null"
 
 
 def own_origin(request: Request) -> str:

@@ -19,7 +19,7 @@ import jsonschema_rs
 import pytest
 
 from ckpt.core.contract import Layer
-from service.app import STATIC
+from service.apidocs import STATIC
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
 

@@ -8,14 +8,16 @@ Each module shares one browser; each test gets a fresh context (no cookies) thro
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pytest
 
@@ -150,3 +152,47 @@ def screenshot(page: Page, folder: Path, name: str) -> Path:
     page.screenshot(path=str(path), full_page=True)
     print(f"screenshot: {path}")
     return path
+
+
+@dataclass
+class Attacker:
+    """Pages served from another origin (a plain http.server on another port)."""
+
+    port: int
+    pages: dict[str, str] = field(default_factory=dict)
+
+    def form(self, path: str, *, action: str, fields: dict[str, str], host: str) -> str:
+        """A page at ``path`` that posts ``fields`` to ``action`` as soon as it loads."""
+        inputs = "".join(
+            f'<input type="hidden" name="{html.escape(k)}" value="{html.escape(v)}">'
+            for k, v in fields.items()
+        )
+        self.pages[path] = (
+            f'<!doctype html><form method="post" action="{html.escape(action)}">{inputs}</form>'
+            "<script>document.forms[0].submit()</script>"
+        )
+        return f"http://{host}:{self.port}{path}"
+
+
+@pytest.fixture(scope="module")
+def attacker() -> Iterator[Attacker]:
+    pages: dict[str, str] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = pages.get(self.path, "not found").encode()
+            self.send_response(200 if self.path in pages else 404)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield Attacker(port=server.server_address[1], pages=pages)
+    server.shutdown()
+    server.server_close()

@@ -11,13 +11,10 @@ the API's checks).
 
 from __future__ import annotations
 
-import html
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from http.cookies import SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlparse
@@ -32,7 +29,7 @@ from service.models import Attempt, Run
 from service.runs.activity import refresh_activity
 from tests.server_process import ServerProcess, ckpt_server
 from tests.service.helpers import register, save
-from tests.ui.conftest import CSP, OpenPage, Watch, poll, sign_in
+from tests.ui.conftest import CSP, Attacker, OpenPage, Watch, poll, sign_in
 from tests.ui.signin import csrf_field, signed_in_client
 
 if TYPE_CHECKING:
@@ -89,50 +86,6 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
         quarantined.raise_for_status()
         add_html_named_run(root / "catalog.db")
         yield Target(server=server, bundle_id=bundle["id"])
-
-
-@dataclass
-class Attacker:
-    """Pages served from another origin (a plain http.server on another port)."""
-
-    port: int
-    pages: dict[str, str] = field(default_factory=dict)
-
-    def form(self, path: str, *, action: str, fields: dict[str, str], host: str) -> str:
-        """A page at ``path`` that posts ``fields`` to ``action`` as soon as it loads."""
-        inputs = "".join(
-            f'<input type="hidden" name="{html.escape(k)}" value="{html.escape(v)}">'
-            for k, v in fields.items()
-        )
-        self.pages[path] = (
-            f'<!doctype html><form method="post" action="{html.escape(action)}">{inputs}</form>'
-            "<script>document.forms[0].submit()</script>"
-        )
-        return f"http://{host}:{self.port}{path}"
-
-
-@pytest.fixture(scope="module")
-def attacker() -> Iterator[Attacker]:
-    pages: dict[str, str] = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = pages.get(self.path, "not found").encode()
-            self.send_response(200 if self.path in pages else 404)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield Attacker(port=server.server_address[1], pages=pages)
-    server.shutdown()
-    server.server_close()
 
 
 def assert_nothing_injected(page: Page, seen: Watch) -> None:
