@@ -2,46 +2,30 @@
 
 from __future__ import annotations
 
-import unicodedata
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
-from ckpt.core.contract import MAX_STEP, PRINTABLE
+from ckpt.core.contract import MAX_STEP, PRINTABLE, check_visible
 from ckpt.core.storage.keys import check_run_name
 
 __all__ = ["MAX_STEP", "PRINTABLE"]
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
-# The characters a reader cannot see (Unicode's control, format, separator and surrogate
-# categories: Cc, Cf, Zl, Zp, Cs). Among them the bidirectional controls (U+202A-U+202E,
-# U+2066-U+2069, U+200E, U+200F, U+061C), which reorder the text around them: "\u202elive"
-# reads "evil". A name holding one is refused; a free text holding one is kept and shown and
-# logged with each written as a visible escape (service/logsafe.py). tests/service/
-# test_bounds.py checks this class against the running Python's Unicode database.
+# The characters a reader cannot see (ckpt.core.contract.HIDDEN_CATEGORIES, Unicode's Cc, Cf,
+# Zl, Zp and Cs) as a regular expression's character class; among them the bidirectional
+# controls (U+202A-U+202E, U+2066-U+2069, U+200E, U+200F, U+061C), which reorder the text
+# around them. A name holding one is refused (check_visible); a free text holding one is
+# kept, and shown and logged with each written as an escape (service/logsafe.py).
+# tests/service/test_bounds.py checks the class against the running Python's Unicode data.
 HIDDEN_BEYOND_C0 = (
     "\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
     "\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ud800-\udfff\ufeff\ufff9-\ufffb"
     "\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a"
     "\U000e0001\U000e0020-\U000e007f"
 )
-HIDDEN = "\x00-\x1f" + HIDDEN_BEYOND_C0  # a regular expression's character class
-HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
-
-
-def check_visible(name: str) -> str:
-    """Return ``name`` if a reader sees every character of it, else raise ``ValueError``."""
-    for position, char in enumerate(name):
-        if unicodedata.category(char) in HIDDEN_CATEGORIES:
-            what = unicodedata.name(char, "a control character")
-            raise ValueError(
-                f"U+{ord(char):04X} ({what}) at position {position}: a name may not hold "
-                "control or format characters (bidirectional overrides, zero-width marks), "
-                "which make it read as another text"
-            )
-    return name
-
+HIDDEN = "\x00-\x1f" + HIDDEN_BEYOND_C0
 
 RunName = Annotated[str, Field(max_length=128), AfterValidator(check_run_name)]
 # A name a client gives (a token's name, a pod's): visible characters only, bounded.

@@ -11,6 +11,7 @@ The manifest lists all of it and is written last: it is the bundle's commit reco
 from __future__ import annotations
 
 import enum
+import unicodedata
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -24,6 +25,10 @@ SHA256_HEX = r"^[0-9a-f]{64}$"
 # No control characters: no NUL (Postgres text cannot hold it), no line breaks or escape
 # sequences (the text reaches logs and terminals). C0, DEL, C1 and the Unicode line breaks.
 PRINTABLE = r"^[^\x00-\x1f\x7f-\x9f\u2028\u2029]*$"
+# The characters a reader cannot see, by Unicode category: controls, format characters (the
+# bidirectional overrides among them: "\u202elive" reads "evil"; zero-width marks), line
+# and paragraph separators, surrogates. Names and versions may hold none.
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
 # The safetensors dtype codes a payload may hold (the agent's ``format/dtypes.py`` maps torch
 # dtypes onto these; a test keeps the two in step).
 DTYPE_CODES = (
@@ -135,7 +140,22 @@ class RankRecord(_Frozen):
     layers: dict[Layer, LayerRecord]
 
 
-VersionText = Annotated[str, Field(max_length=128, pattern=PRINTABLE)]
+def check_visible(text: str) -> str:
+    """Return ``text`` if a reader sees every character of it, else raise ``ValueError``."""
+    for position, char in enumerate(text):
+        if unicodedata.category(char) in HIDDEN_CATEGORIES:
+            what = unicodedata.name(char, "a control character")
+            raise ValueError(
+                f"U+{ord(char):04X} ({what}) at position {position}: no control or format "
+                "characters here (bidirectional overrides, zero-width marks), which make the "
+                "text read as another"
+            )
+    return text
+
+
+VersionText = Annotated[
+    str, Field(max_length=128, pattern=PRINTABLE), AfterValidator(check_visible)
+]
 
 
 class Versions(_Frozen):

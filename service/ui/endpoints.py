@@ -11,6 +11,7 @@ marks) written as escapes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -242,6 +243,14 @@ def bundle_manifest(
 ) -> Response:
     def build(db: Session, viewer: Viewer) -> Response:
         found = pages.manifest(db, viewer.principal, name=run, bundle_id=bundle)
-        return JSONResponse(found)
+        return _ascii_json(found)
 
     return _page(request, context, build)
+
+
+def _ascii_json(value: object) -> Response:
+    """``value`` as JSON with every character beyond ASCII written as a ``\\u`` escape: a
+    browser shows the document as text, and a tensor's name (the model's, not checked)
+    may hold a bidirectional override."""
+    body = json.dumps(value, ensure_ascii=True, separators=(",", ":"))
+    return Response(body, media_type="application/json")

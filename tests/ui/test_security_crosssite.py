@@ -18,19 +18,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 from sqlalchemy.orm import Session
 
+from ckpt.core.contract import RESTORE_ORDER, Layer
 from ckpt.core.storage import DirectoryStore
 from service.db import make_engine
 from service.models import Attempt, Run
 from service.runs.activity import refresh_activity
 from tests.server_process import ServerProcess, ckpt_server
-from tests.service.helpers import register, save
+from tests.service.helpers import commit, make_layer, open_bundle, record, register, save
 from tests.ui.conftest import CSP, Attacker, OpenPage, sign_in
 
 if TYPE_CHECKING:
@@ -42,6 +43,7 @@ RLO, LRI, PDI = "\u202e", "\u2066", "\u2069"
 NOTICE = f"terminate at {RLO}00:21{PDI}"
 REASON = f"checksum {RLO}evil{PDI} mismatch"
 LEGACY_POD, LEGACY_NODE = f"{RLO}live", f"node-{LRI}7{PDI}"
+TENSOR = f"layers.0.{RLO}thgiew"  # a model's name for a tensor: the API does not judge it
 # The bidirectional controls, raw: what must never reach a page or the log.
 BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 ESCAPED = r"\u202e"
@@ -51,6 +53,7 @@ ESCAPED = r"\u202e"
 class Target:
     server: ServerProcess
     bundle_id: int  # bidi's quarantined bundle
+    tensor_bundle_id: int  # bidi's bundle whose weights hold the tensor TENSOR
 
     def read_token(self) -> str:
         with self.server.client() as client:
@@ -58,6 +61,24 @@ class Target:
             made.raise_for_status()
             token: str = made.json()["token"]
             return token
+
+
+def save_with_tensor_name(
+    client: httpx.Client, store: DirectoryStore, attempt: dict[str, Any], *, step: int
+) -> int:
+    """A committed bundle of ``bidi`` whose weights' one tensor is named ``TENSOR``."""
+    opened = open_bundle(client, "bidi", attempt, step=step)
+    assert opened.status_code == 201, opened.text
+    bundle_id: int = opened.json()["id"]
+    for layer in RESTORE_ORDER:
+        made, _ = make_layer(store)
+        if layer is Layer.WEIGHTS:
+            made = made.model_copy(update={"tensors": {TENSOR: made.tensors["t"]}})
+        answer = record(client, bundle_id, 0, layer, attempt["epoch"], made)
+        assert answer.status_code == 200, answer.text
+    done = commit(client, bundle_id, attempt["epoch"])
+    assert done.status_code == 200, done.text
+    return bundle_id
 
 
 def add_legacy_run(database: Path) -> None:
@@ -85,11 +106,13 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
             json={"cloud": "aws", "kind": "instance-action", "detail": NOTICE},
         )
         assert noticed.status_code == 200, noticed.text
-        bundle = save(client, DirectoryStore(server.store), "bidi", attempt, step=3)
+        store = DirectoryStore(server.store)
+        bundle = save(client, store, "bidi", attempt, step=3)
+        tensor_bundle_id = save_with_tensor_name(client, store, attempt, step=5)
         quarantined = client.post(f"/v1/bundles/{bundle['id']}/quarantine", json={"reason": REASON})
         assert quarantined.status_code == 200, quarantined.text
         add_legacy_run(root / "catalog.db")
-        yield Target(server=server, bundle_id=bundle["id"])
+        yield Target(server=server, bundle_id=bundle["id"], tensor_bundle_id=tensor_bundle_id)
 
 
 def cookie_names(page: Page) -> set[str]:
@@ -187,6 +210,11 @@ def test_hidden_characters_are_shown_as_escapes(open_page: OpenPage, target: Tar
     expect(page.locator("main")).to_contain_text(ESCAPED)
     assert_shown_escaped(page, r"checksum \u202eevil\u2069 mismatch")
     assert seen.console_errors == []
+
+    # A JSON document, shown as text (Chromium asks for /favicon.ico there: not ours).
+    page.goto(f"{url}/ui/runs/bidi/bundles/{target.tensor_bundle_id}/manifest.json")
+    expect(page.locator("body")).to_contain_text(r"layers.0.\u202ethgiew")
+    assert not BIDI.search(page.content())
 
 
 def test_hidden_characters_are_logged_as_escapes(target: Target) -> None:
