@@ -23,6 +23,7 @@ _CONTROL = re.compile(f"[{HIDDEN}]")
 _ESCAPED = re.compile(f"[{HIDDEN}\\\\]")
 # On a page: the same but for the whitespace HTML shows as a space (and markup is made of).
 _ON_PAGE = re.compile(f"[\x00-\x08\x0b\x0c\x0e-\x1f{HIDDEN_BEYOND_C0}]")
+_ASCII_HIDDEN = tuple(chr(code) for code in (*range(0x20), 0x7F) if chr(code) not in "\t\n\r")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
 
 SERVICE_LOGGERS = (
@@ -48,7 +49,16 @@ def escape(text: object) -> str:
 def reveal(text: str) -> str:
     """``text`` as a page shows it: each hidden character but line breaks and tabs written
     as an escape (``\\u202e``); any other text, markup included, unchanged."""
-    return _ON_PAGE.sub(_escape_one, text) if _ON_PAGE.search(text) else text
+    return _ON_PAGE.sub(_escape_one, text) if _may_hide(text) else text
+
+
+def _may_hide(text: str) -> bool:
+    """Whether ``text`` may hold a hidden character (never False when it does). A page's
+    drawing is megabytes of markup: scanned in C (a find per control character, or
+    ``isprintable``, which is False for every hidden character), not by the expression."""
+    if text.isascii():
+        return any(char in text for char in _ASCII_HIDDEN)
+    return not text.replace("\n", " ").replace("\t", " ").replace("\r", " ").isprintable()
 
 
 def _escape_one(match: re.Match[str]) -> str:

@@ -182,13 +182,17 @@ def test_hidden_characters_in_free_text_are_kept_and_logged_as_escapes(
 
 def test_the_hidden_class_is_unicodes_control_and_format_characters() -> None:
     """``HIDDEN`` holds every character the running Python's Unicode database files under
-    Cc, Cf, Zl, Zp or Cs, and nothing else but code points it does not know yet."""
+    Cc, Cf, Zl, Zp or Cs, and nothing else but code points it does not know yet; the log and
+    the pages escape each of them."""
     pattern = re.compile(f"[{HIDDEN}]")
     for code in range(sys.maxunicode + 1):
         char = chr(code)
         category = unicodedata.category(char)
         if category in HIDDEN_CATEGORIES:
             assert pattern.match(char), f"U+{code:04X} ({category}) is missing"
+            assert "\\" in escape(f"a{char}"), f"U+{code:04X} is logged raw"
+            if char not in "\t\n\r":
+                assert "\\" in reveal(f"a{char}"), f"U+{code:04X} is shown raw"
         elif pattern.match(char):
             assert category == "Cn", f"U+{code:04X} ({category}) is not hidden"
 
@@ -392,6 +396,8 @@ def test_escape(text: str, shown: str) -> None:
         ("a\nb\tc", "a\nb\tc"),  # whitespace on a page, and the stuff markup is made of
         ("\u202elive\u2069", "\\u202elive\\u2069"),
         ("zero\u200bwidth\x1b", "zero\\u200bwidth\\x1b"),
+        ("esc\x1b[31m\x7f", "esc\\x1b[31m\\x7f"),
+        ("no\u00a0break", "no\u00a0break"),  # not printable for Python, yet seen: a space
     ],
 )
 def test_reveal(text: str, shown: str) -> None:
