@@ -250,6 +250,9 @@ def test_the_api_page_renders_the_api_under_its_policy(open_page: OpenPage, targ
     operation = page.locator(".opblock-summary-path", has_text="/v1/runs/{run}/attempts")
     expect(operation.first).to_be_visible()
     assert page.locator(".opblock").count() > 20
+    operation.first.click()  # opened: its parameters and answers, drawn under the policy too
+    expect(page.locator(".opblock.is-open .opblock-section-header").first).to_be_visible()
+    expect(page.locator(".opblock.is-open .responses-table").first).to_be_visible()
     expect(page.locator(".information-container .title")).to_contain_text("ckpt control plane")
     sources = page.locator("script").evaluate_all("nodes => nodes.map(n => n.src)")
     assert sources and all(urlparse(src).path.startswith("/static/") for src in sources)
