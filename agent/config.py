@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 from agent.attempt.notices import CLOUDS
 from agent.format.chunking import DEFAULT_BLOB_BYTES, MAX_BLOB_BYTES
 from ckpt.core.storage.keys import check_run_name
+from ckpt.core.tokens import clean_token
 
 DEFAULT_STORE = ".ckpt/store"
 
@@ -94,7 +95,8 @@ class Config:
             (``CKPT_STORE``, default ``./.ckpt/store``).
         server: the control plane's URL (``CKPT_SERVER``); unset means store-only.
         token: the bearer token for the control plane (``CKPT_TOKEN``; else the embedded
-            server's ``.ckpt/admin-token`` file, where there is one).
+            server's ``.ckpt/admin-token`` file, where there is one), without the whitespace
+            around it; one with whitespace or control characters inside is refused.
         every_steps: save when the optimizer step reaches a multiple of this (``CKPT_EVERY_STEPS``).
         every_seconds: save when this long has passed since the last save (``CKPT_EVERY_SECONDS``).
         every: ``"auto"`` (``CKPT_EVERY=auto``): save at the interval that wastes least,
@@ -212,6 +214,8 @@ class Config:
             ) from None
         if self.server is not None and urlparse(self.server).scheme not in ("http", "https"):
             raise ValueError(f"server must be an http(s) URL, got {self.server!r}")
+        if self.token is not None:  # a Secret made from a command's output ends with "\n"
+            object.__setattr__(self, "token", clean_token(self.token, source="token (CKPT_TOKEN)"))
 
     def _check_notices(self) -> None:
         clouds = self.notices.split(",") if isinstance(self.notices, str) else self.notices

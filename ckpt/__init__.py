@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         IncompatibleBundleError,
         SaveLostError,
         StateChangedError,
+        StoreAccessError,
         StoreError,
         UnrepresentableStateError,
     )
@@ -58,6 +59,7 @@ _EXPORTS = {
     "SaveLostError": "ckpt.core.errors",
     "IncompatibleBundleError": "ckpt.core.errors",
     "StateChangedError": "ckpt.core.errors",
+    "StoreAccessError": "ckpt.core.errors",
     "StoreError": "ckpt.core.errors",
     "UnrepresentableStateError": "ckpt.core.errors",
     "__version__": "ckpt.core.version",
@@ -82,6 +84,7 @@ __all__ = [
     "SaveLostError",
     "SaveResult",
     "StateChangedError",
+    "StoreAccessError",
     "StoreError",
     "UnrepresentableStateError",
     "__version__",

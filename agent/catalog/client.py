@@ -19,6 +19,7 @@ import httpx
 from agent.attempt.notices import Notice
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures, Versions
 from ckpt.core.errors import ControlPlaneError, FencedError
+from ckpt.core.tokens import bearer
 
 log = logging.getLogger("ckpt.client")
 
@@ -79,7 +80,7 @@ class ControlPlane:
         retry_seconds: float = 120.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = bearer(token)
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport)
         self.timeout = timeout  # one try

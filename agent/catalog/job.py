@@ -37,7 +37,14 @@ from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
 from agent.save.upload import HeldBlobs
 from ckpt.core.contract import Layer, LayerRecord, Manifest, RankRecord
-from ckpt.core.errors import CkptError, ControlPlaneError, RankError, SaveLostError, StoreError
+from ckpt.core.errors import (
+    CkptError,
+    ControlPlaneError,
+    RankError,
+    SaveLostError,
+    StoreAccessError,
+    StoreError,
+)
 from ckpt.core.storage import ObjectStore, keys
 
 
@@ -313,5 +320,7 @@ class JobCommit:
             if self._store.size(key) is None:
                 return None
             return Manifest.model_validate_json(self._store.get(key))
+        except StoreAccessError:
+            raise  # no credentials, or refused: looking again changes nothing
         except (StoreError, ValueError):
             return None  # not there yet, or being written

@@ -37,6 +37,7 @@ import httpx
 
 from agent.demo.report import DRILL_RECORD, ckpt_here, print_next_steps, report
 from agent.demo.server import control_plane, dashboard_url, serve_until_interrupted
+from ckpt.core.tokens import bearer
 
 GRACE_SECONDS = 10
 
@@ -267,7 +268,7 @@ def _train_with_chaos(
     }
     # SIGTERM when the live attempt's heartbeats report these steps: spread over the run.
     targets = sorted(chooser.sample(range(2, plan.steps - 2), plan.preemptions))
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = bearer(token)
     with (
         (work / "launch.log").open("w") as log,
         httpx.Client(base_url=url, headers=headers, timeout=10) as client,
@@ -335,7 +336,7 @@ def _preempt_at(
 
 
 def _facts(url: str, token: str | None, run: str) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = bearer(token)
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         # The SIGKILLed attempt never says goodbye: give the server's sweep the time to mark
         # it lost (5 s without heartbeats, checked every 2.5 s; longer on a busy machine).

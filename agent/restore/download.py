@@ -12,7 +12,13 @@ from agent.catalog.manifests import bundle_name, layer_record
 from agent.format import payload
 from agent.format.skeleton import JSON
 from ckpt.core.contract import BlobRef, Layer, Manifest
-from ckpt.core.errors import BadObjectError, BundleFormatError, CorruptBundleError, StoreError
+from ckpt.core.errors import (
+    BadObjectError,
+    BundleFormatError,
+    CorruptBundleError,
+    StoreAccessError,
+    StoreError,
+)
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
 
@@ -93,6 +99,8 @@ def _fetch_blob(store: ObjectStore, manifest: Manifest, blob: BlobRef, target: m
         raise CorruptBundleError(
             f"{what()} is unusable: {err}", bundle=bundle, blob=blob.sha256
         ) from err
+    except StoreAccessError:
+        raise  # no credentials, or refused: retrying the resume changes nothing
     except StoreError as err:
         raise StoreError(
             f"{what()}: the store failed while reading it ({err}); nothing was quarantined: "

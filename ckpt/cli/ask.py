@@ -120,11 +120,19 @@ def _ask(
 
 def resolve(server: str | None, token: str | None) -> tuple[str, str | None]:
     """The server URL and token: arguments, then CKPT_SERVER / CKPT_TOKEN, then the
-    embedded server's admin token file."""
-    from ckpt.core.tokens import default_token
+    embedded server's admin token file.
+
+    Raises:
+        SystemExit: the token is empty or holds whitespace or control characters inside.
+    """
+    from ckpt.core.tokens import clean_token, default_token
 
     server = server or os.environ.get("CKPT_SERVER") or DEFAULT_SERVER
-    return server.rstrip("/"), token or default_token()
+    try:
+        secret = clean_token(token, source="--token") if token else default_token()
+    except ValueError as err:
+        raise SystemExit(f"ckpt: {err}") from None
+    return server.rstrip("/"), secret
 
 
 def get(
@@ -132,8 +140,10 @@ def get(
 ) -> tuple[int, dict[str, Any]]:
     import httpx
 
+    from ckpt.core.tokens import bearer
+
     url, secret = resolve(server, token)
-    headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+    headers = bearer(secret)
     try:
         response = httpx.get(url + path, params=params, headers=headers, timeout=30)  # type: ignore[arg-type]
     except httpx.HTTPError as err:

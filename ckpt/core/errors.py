@@ -8,7 +8,8 @@
     ├── BundleExistsError          save: store-only, a resumable bundle at this position that this process did not resume past
     ├── RankError                  the ranks of a job could not meet, or disagree (a step, a result)
     ├── StoreError                 the object store failed to read or write a key
-    │   └── BadObjectError         the store answered: no such key, or an object too large
+    │   ├── BadObjectError         the store answered: no such key, or an object too large
+    │   └── StoreAccessError       no credentials for the store, or it refused them: not retried
     └── ControlPlaneError          the control plane refused a request or is unreachable
         ├── FencedError            a newer attempt of the run registered; stop writing
         └── SaveLostError          a save deferred through an outage cannot be committed; the next replaces it
@@ -62,6 +63,12 @@ class RankError(CkptError):
 
 class StoreError(CkptError):
     """The object store could not read or write a key."""
+
+
+class StoreAccessError(StoreError):
+    """The store cannot be used with this process's credentials: there are none, they are
+    incomplete, or the store refused them (unknown key, wrong secret, access denied). No
+    retry changes that, so none is made; the message names the store and what to fix."""
 
 
 class BadObjectError(StoreError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from ckpt.core.contract import BlobRef, Manifest, missing_parts
-from ckpt.core.errors import StoreError
+from ckpt.core.errors import StoreAccessError, StoreError
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
 
@@ -51,6 +51,8 @@ def find_manifest(store: ObjectStore, run: str, *, step: int | None) -> Manifest
     key = keys.manifest_key(run, step)
     try:
         return Manifest.model_validate_json(store.get(key))
+    except StoreAccessError:
+        raise  # not "no bundle": the store cannot be read at all
     except StoreError as err:
         raise LookupError(f"run {run} has no bundle at step {step}: {err}") from err
     except ValidationError as err:

@@ -14,6 +14,9 @@ only a checksum of its parts' checksums; its parts went up one after another any
 one request per blob loses nothing.) A failed multipart
 upload is aborted, so no partial object ever becomes visible. botocore retries throttling,
 5xx answers and connection errors with backoff; connect and read timeouts bound every call.
+What no retry mends fails at once with ``StoreAccessError``, naming the bucket, the
+endpoint and what to fix: no credentials, incomplete ones, or ones the store refuses
+(unknown key id, wrong secret, access denied).
 """
 
 from __future__ import annotations
@@ -28,9 +31,14 @@ from urllib.parse import urlparse
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
 
-from ckpt.core.errors import BadObjectError, StoreError
+from ckpt.core.errors import BadObjectError, StoreAccessError, StoreError
 from ckpt.core.storage.base import StoredObject
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
@@ -38,6 +46,26 @@ MAX_PUT_BYTES = 5 << 30  # S3's largest PutObject (and largest part)
 DEFAULT_PART_BYTES = MAX_PUT_BYTES
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 _DELETE_KEYS = 1000  # the most keys one DeleteObjects takes
+# Refusals of the credentials themselves, and what to check (HeadObject answers a bare 403).
+_DENIED = {
+    "InvalidAccessKeyId": "the store knows no such access key id",
+    "SignatureDoesNotMatch": "the secret access key does not match the access key id",
+    "AccessDenied": "they may not do this in the bucket: check the IAM or bucket policy",
+    "403": "they may not do this in the bucket: check the IAM or bucket policy",
+}
+# Where botocore found the credentials (its provider's method), for the message.
+_SOURCES = {
+    "env": "the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)",
+    "shared-credentials-file": "the shared credentials file (~/.aws/credentials)",
+    "config-file": "the AWS config file (~/.aws/config)",
+    "assume-role-with-web-identity": "the web identity role (IRSA: AWS_ROLE_ARN)",
+    "container-role": "the container's role",
+    "iam-role": "the instance's IAM role",
+}
+_NONE = (
+    "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+    "AWS_PROFILE, or give the pod a role (IRSA on EKS)"
+)
 
 
 class S3ObjectStore:
@@ -65,7 +93,14 @@ class S3ObjectStore:
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/") + "/" if parsed.path.strip("/") else ""
         self.part_bytes = part_bytes
-        self._client: Any = boto3.session.Session().client(
+        self.endpoint_url = endpoint_url
+        session = boto3.session.Session()
+        try:
+            credentials = session.get_credentials()
+        except PartialCredentialsError as err:
+            raise self._access_error("sign requests", err) from err
+        self._source = _SOURCES.get(credentials.method, credentials.method) if credentials else ""
+        self._client: Any = session.client(
             "s3",
             endpoint_url=endpoint_url,
             config=Config(
@@ -93,7 +128,7 @@ class S3ObjectStore:
             else:
                 self._put_multipart(target, views, size)
         except (BotoCoreError, ClientError) as err:
-            raise StoreError(f"{self.url}: cannot write {key!r}: {err}") from err
+            raise self._failure(f"write {key!r}", err) from err
 
     def _put_multipart(self, target: str, views: list[memoryview], size: int) -> None:
         upload = self._client.create_multipart_upload(
@@ -134,7 +169,7 @@ class S3ObjectStore:
         except ClientError as err:
             raise self._error("read", key, err) from err
         except BotoCoreError as err:
-            raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
+            raise self._failure(f"read {key!r}", err) from err
         return data
 
     def read_into(self, key: str, buffer: memoryview) -> int:
@@ -158,7 +193,7 @@ class S3ObjectStore:
         except ClientError as err:
             raise self._error("read", key, err) from err
         except BotoCoreError as err:
-            raise StoreError(f"{self.url}: cannot read {key!r}: {err}") from err
+            raise self._failure(f"read {key!r}", err) from err
 
     def size(self, key: str) -> int | None:
         found = self.stat(key)
@@ -173,9 +208,9 @@ class S3ObjectStore:
         except ClientError as err:
             if _code(err) in _NOT_FOUND:
                 return None
-            raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
+            raise self._failure(f"stat {key!r}", err) from err
         except BotoCoreError as err:
-            raise StoreError(f"{self.url}: cannot stat {key!r}: {err}") from err
+            raise self._failure(f"stat {key!r}", err) from err
         return StoredObject(
             key,
             int(answer["ContentLength"]),
@@ -199,13 +234,13 @@ class S3ObjectStore:
                         item["LastModified"].timestamp(),
                     )
         except (BotoCoreError, ClientError) as err:
-            raise StoreError(f"{self.url}: cannot list {prefix!r}: {err}") from err
+            raise self._failure(f"list {prefix!r}", err) from err
 
     def delete(self, key: str) -> None:
         try:
             self._client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
         except (BotoCoreError, ClientError) as err:
-            raise StoreError(f"{self.url}: cannot delete {key!r}: {err}") from err
+            raise self._failure(f"delete {key!r}", err) from err
 
     def delete_many(self, keys: Sequence[str]) -> None:
         """One ``DeleteObjects`` per 1,000 keys (quiet: S3 answers only with failures)."""
@@ -218,7 +253,7 @@ class S3ObjectStore:
                     Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True}
                 )
             except (BotoCoreError, ClientError) as err:
-                raise StoreError(f"{self.url}: cannot delete {len(chunk)} objects: {err}") from err
+                raise self._failure(f"delete {len(chunk)} objects", err) from err
             failed += [
                 f"{e['Key'][len(self.prefix) :]} ({e.get('Code')})"
                 for e in answer.get("Errors", ())
@@ -230,7 +265,30 @@ class S3ObjectStore:
     def _error(self, action: str, key: str, err: ClientError) -> StoreError:
         if _code(err) in _NOT_FOUND:
             return BadObjectError(f"{self.url}: no object {key!r}")
-        return StoreError(f"{self.url}: cannot {action} {key!r}: {err}")
+        return self._failure(f"{action} {key!r}", err)
+
+    def _failure(self, doing: str, err: BotoCoreError | ClientError) -> StoreError:
+        """A failed call's error: ``StoreAccessError`` when the credentials are at fault."""
+        if isinstance(err, NoCredentialsError | PartialCredentialsError):
+            return self._access_error(doing, err)
+        if isinstance(err, ClientError) and _code(err) in _DENIED:
+            return self._access_error(doing, err)
+        return StoreError(f"{self.url}: cannot {doing}: {err}")
+
+    def _access_error(self, doing: str, err: Exception) -> StoreAccessError:
+        where = f"{self.url} (bucket {self.bucket} at {self.endpoint_url or 'AWS S3'})"
+        if isinstance(err, NoCredentialsError):
+            problem = _NONE
+        elif isinstance(err, PartialCredentialsError):
+            missing = err.kwargs.get("cred_var", "a part")
+            problem = f"the AWS credentials from {err.kwargs.get('provider')} lack {missing}"
+        elif isinstance(err, ClientError) and _code(err) in _DENIED:
+            code = _code(err)
+            problem = f"the store refused the credentials from {self._source} ({code}): "
+            problem += _DENIED[code]
+        else:
+            problem = str(err)
+        return StoreAccessError(f"{where}: cannot {doing}: {problem}; not retried")
 
 
 def whole_object_sha256(head: Mapping[str, Any]) -> str | None:
