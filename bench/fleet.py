@@ -58,14 +58,17 @@ class Figures:
 
     latencies: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    why: collections.Counter[str] = field(default_factory=collections.Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     seconds: float = 0.0
 
-    def add(self, route: str, took: float, *, failed: bool) -> None:
+    def add(self, route: str, took: float, *, failed: str | None) -> None:
+        """One request's time; ``failed``: its status or error, when it failed."""
         with self.lock:
             self.latencies[route].append(took)
             if failed:
                 self.errors[route] += 1
+                self.why[f"{route} {failed}"] += 1
 
     def served(self) -> int:
         return sum(len(samples) for samples in self.latencies.values()) - sum(self.errors.values())
@@ -99,13 +102,13 @@ class Caller:
                 response = self.client.get(f"/floor/{self.floor_id}")
             else:
                 response = self.client.request(method, path, json=body)
-        except httpx.HTTPError:
-            self.figures.add(route, time.perf_counter() - started, failed=True)
+        except httpx.HTTPError as err:
+            self.figures.add(route, time.perf_counter() - started, failed=type(err).__name__)
             raise
-        failed = response.status_code >= 500 or (
-            response.status_code >= 400 and route != "resumable"
-        )
-        self.figures.add(route, time.perf_counter() - started, failed=failed)
+        status = response.status_code
+        failed = status >= 500 or (status >= 400 and route != "resumable")
+        took = time.perf_counter() - started
+        self.figures.add(route, took, failed=str(status) if failed else None)
         return response
 
 
@@ -276,6 +279,8 @@ def report(workers: int, plan: Plan, ckpt: Figures, floor: Figures) -> None:
             f"  {route:<14} {len(samples):>8} {ckpt.errors[route]:>6} {c50 * 1e3:8.1f} "
             f"{c99 * 1e3:8.1f} {f50 * 1e3:9.1f} {f99 * 1e3:9.1f} {c50 / f50:6.1f} {c99 / f99:6.1f}"
         )
+    if ckpt.why:
+        print("  errors: " + ", ".join(f"{what} x {n}" for what, n in sorted(ckpt.why.items())))
     worst = max(percentiles(ckpt.latencies.get(r, []))[1] for r in ("resumable", "heartbeat"))
     print(f"  /resumable and heartbeat p99 {'<=' if worst <= 0.100 else '>'} 100 ms")
 

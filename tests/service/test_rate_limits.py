@@ -13,10 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from service.admission import Head
 from service.auth.schemas import TokenCreate
 from service.auth.service import create_token
 from service.errors import RateLimitedError, TooManyInFlightError
-from service.limits import Head, TokenLimits
+from service.limits import TokenLimits
 from service.models import Role
 from service.runs import service as runs_service
 from tests.service.conftest import MakeServer, Server
