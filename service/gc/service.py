@@ -126,15 +126,48 @@ def _expire(context: Context, *, now: datetime, dry_run: bool) -> list[int]:
 def _retain_all(
     context: Context, run_ids: list[int], *, dry_run: bool, between_batches: Progress | None
 ) -> list[int]:
-    """``_retain`` these runs until their policies let nothing more go, a batch of at most
-    ``CKPT_GC_BATCH_BUNDLES`` bundles at a time: the ids deleted (or, dry, to delete)."""
-    metrics, most = context.metrics, context.settings.gc_batch_bundles
+    """``_retain`` these runs until their policies let nothing more go, in batches of at
+    most ``CKPT_GC_BATCH_BUNDLES`` bundles: the ids deleted (or, dry, to delete).
+
+    One dry weighing, its runs unlocked, groups the runs into batches; each batch then
+    weighs its own runs again under their locks (a commit, a rollback or a pin may have
+    come since), and a run holding more than a batch goes in several."""
+    most = context.settings.gc_batch_bundles
+    if dry_run:
+        return _retain(context, run_ids, dry_run=True, most=most)[0]
+    deleted: list[int] = []
+    for group in _groups(context, run_ids, most=most):
+        deleted += _delete_in_batches(context, group, most=most, between_batches=between_batches)
+    return deleted
+
+
+def _groups(context: Context, run_ids: list[int], *, most: int) -> list[list[int]]:
+    """These runs in groups whose bundles to delete add up to at most ``most`` (a run with
+    more is a group of its own); runs with none to delete are left out."""
+    with context.transaction() as session:
+        weighed = _weigh(context, session, run_ids, lock=False)
+    counts = {run_id: len(ids) for run_id, ids in weighed.doomed.items()}
+    groups: list[list[int]] = []
+    size = most  # the current group is full: start one
+    for run_id in (i for i in run_ids if counts.get(i)):
+        if size + counts[run_id] > most:
+            groups.append([])
+            size = 0
+        groups[-1].append(run_id)
+        size += counts[run_id]
+    return groups
+
+
+def _delete_in_batches(
+    context: Context, run_ids: list[int], *, most: int, between_batches: Progress | None
+) -> list[int]:
+    """Delete what these runs' policies let go, ``most`` at a time, each batch weighing
+    them again: the ids."""
+    metrics = context.metrics
     deleted: list[int] = []
     while True:
-        done, left = _retain(context, run_ids, dry_run=dry_run, most=most)
+        done, left = _retain(context, run_ids, dry_run=False, most=most)
         deleted += done
-        if dry_run:
-            return deleted
         metrics.gc_backlog.set(left)
         if done:
             metrics.gc_deleted_bundles.inc(len(done))
@@ -155,13 +188,8 @@ def _retain(
     Three queries weigh the whole batch (its runs, locked; the bundle each resumes from;
     their bundles' columns): a transaction, a lock and a walk per run cost 5-7 ms each."""
     with context.transaction() as session:
-        runs = repository.runs_by_id(session, ids=run_ids, lock=not dry_run)
-        starts = repository.resumable_ids(session, run_ids=run_ids)
-        kept = repository.kept_in(session, run_ids=run_ids)
-        policies = {run.id: _Policy.of(run, context.settings) for run in runs}
-        doomed = {
-            run.id: policies[run.id].doomed(run, kept, start=starts.get(run.id)) for run in runs
-        }
+        weighed = _weigh(context, session, run_ids, lock=not dry_run)
+        runs, policies, kept, doomed = weighed.runs, weighed.policies, weighed.kept, weighed.doomed
         every = [bundle_id for ids in doomed.values() for bundle_id in ids]
         if dry_run:
             return every, 0
@@ -177,6 +205,27 @@ def _retain(
             for start in range(0, len(bundles), _AT_ONCE):
                 _delete(context, session, bundles[start : start + _AT_ONCE], reason, names)
         return every[:most], len(every) - len(now_ids)
+
+
+@dataclass(frozen=True)
+class _Weighed:
+    """Runs, their policies, their bundles kept so far, and what the policies let go."""
+
+    runs: list[Run]
+    policies: dict[int, _Policy]
+    kept: Mapping[tuple[int, str], Sequence[Kept]]
+    doomed: dict[int, list[int]]
+
+
+def _weigh(context: Context, session: Session, run_ids: list[int], *, lock: bool) -> _Weighed:
+    """Three queries: the runs (locked if ``lock``), the bundle each resumes from, and
+    their bundles' columns."""
+    runs = repository.runs_by_id(session, ids=run_ids, lock=lock)
+    starts = repository.resumable_ids(session, run_ids=run_ids)
+    kept = repository.kept_in(session, run_ids=run_ids)
+    policies = {run.id: _Policy.of(run, context.settings) for run in runs}
+    doomed = {run.id: policies[run.id].doomed(run, kept, start=starts.get(run.id)) for run in runs}
+    return _Weighed(runs=runs, policies=policies, kept=kept, doomed=doomed)
 
 
 @dataclass(frozen=True)
