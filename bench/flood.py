@@ -1,16 +1,21 @@
-"""``/healthz`` under a flood of expensive requests by one token, against a real ``ckpt server``.
+"""``/healthz`` or ``/resumable`` under a flood of expensive requests by one token, against
+a real ``ckpt server``.
 
     .venv/bin/python bench/flood.py [--clients 16] [--entries 10000] [--probes 400]
                                     [--ignore-retry-after] [--postgres URL]
+                                    [--probe healthz|resumable] [--mix]
                                     [--env CKPT_NAME=value ...]
 
 One run token floods ``POST /v1/blobs/missing`` (``--entries`` blobs the store lacks, each
 request) from ``--clients`` threads in a process of their own, each sending its next request
 as soon as the last one is answered; a client answered 429 waits what ``Retry-After`` says,
-or 10 ms with ``--ignore-retry-after`` (a hostile client). Meanwhile ``GET /healthz`` is
-probed ``--probes`` times, one at a time, on its own connection. The same probes run first
-with no load: the baseline, in the same run. Prints p50 / p99 of both, their ratio, and how
-the flood was answered (200s and 429s).
+or 10 ms with ``--ignore-retry-after`` (a hostile client). With ``--mix`` (an admin token)
+each client goes round three kinds of bulk request: the blob query, the lineage of a run of
+``--bundles`` bundles, and a page of 500 runs (``--runs`` are created first). Meanwhile
+``GET /healthz`` (or, with ``--probe resumable``, that run's ``/resumable`` with a read token
+of its own) is probed ``--probes`` times, one at a time, on its own connection. The same
+probes run first with no load: the baseline, in the same run. Prints p50 / p99 of both,
+their ratio, and how the flood was answered (200s and 429s).
 
 SQLite (the embedded default) unless ``--postgres`` names a PostgreSQL server URL such as
 ``postgresql://postgres@127.0.0.1:5432/postgres`` (a database is created and dropped).
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import hashlib
+import itertools
 import json
 import multiprocessing
 import statistics
@@ -41,10 +47,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ckpt.core.storage import DirectoryStore
 from tests.databases import throwaway_database
 from tests.server_process import ServerProcess, ckpt_server
+from tests.service.helpers import register, save
 
 HOSTILE_PAUSE = 0.01  # seconds a client that ignores Retry-After waits after a 429
+RUN = "probed"
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,7 @@ class Flood:
     clients: int
     body: bytes
     obey_retry_after: bool
+    mix: tuple[str, ...] = ()  # GETs to go round with the blob query (``--mix``)
 
     def run(self, stop: Event, out: Queue[dict[str, int]]) -> None:
         """Flood until ``stop``; the counts of the answers by status go to ``out``."""
@@ -78,9 +88,15 @@ class Flood:
         """One client's answers (a status, or the name of a transport error)."""
         headers = {"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"}
         with httpx.Client(base_url=self.url, headers=headers, timeout=120) as client:
-            while not stop.is_set():
+            for turn in itertools.count():
+                if stop.is_set():
+                    return
+                kind = turn % (1 + len(self.mix))
                 try:
-                    response = client.post("/v1/blobs/missing", content=self.body)
+                    if kind:
+                        response = client.get(self.mix[kind - 1])
+                    else:
+                        response = client.post("/v1/blobs/missing", content=self.body)
                 except httpx.HTTPError as err:
                     yield type(err).__name__
                     continue
@@ -107,14 +123,23 @@ def flooding(flood: Flood) -> Iterator[dict[str, int]]:
         process.join(60)
 
 
-def probe(url: str, count: int) -> list[float]:
-    """``count`` sequential ``GET /healthz`` latencies, in seconds, on one connection."""
+@dataclass(frozen=True)
+class Probe:
+    """What is timed: a GET of ``path``, with ``token`` if any."""
+
+    path: str = "/healthz"
+    token: str | None = None
+
+
+def probe(url: str, count: int, what: Probe) -> list[float]:
+    """``count`` sequential latencies of ``what``, in seconds, on one connection."""
     samples = []
-    with httpx.Client(base_url=url, timeout=60) as client:
-        client.get("/healthz").raise_for_status()  # connect first: time requests, not dials
+    headers = {"Authorization": f"Bearer {what.token}"} if what.token else {}
+    with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
+        client.get(what.path).raise_for_status()  # connect first: time requests, not dials
         for _ in range(count):
             started = time.perf_counter()
-            client.get("/healthz").raise_for_status()
+            client.get(what.path).raise_for_status()
             samples.append(time.perf_counter() - started)
             time.sleep(0.005)  # a probe every few ms, not a busy loop of our own
     return samples
@@ -134,30 +159,64 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[max(0, int(len(ordered) * 0.99) - 1)]
 
 
-def run_token(server: ServerProcess) -> str:
+def new_token(server: ServerProcess, **body: str) -> str:
     with server.client() as client:
-        response = client.post("/v1/tokens", json={"role": "run", "run": "flood", "name": "flood"})
+        response = client.post("/v1/tokens", json=body)
         response.raise_for_status()
         token: str = response.json()["token"]
         return token
+
+
+def populate(client: httpx.Client, store: DirectoryStore, run: str, bundles: int) -> None:
+    """``bundles`` complete bundles of ``run``, a preemption every 50."""
+    attempt = register(client, run)
+    for step in range(1, bundles + 1):
+        if step % 50 == 0:
+            attempt = register(client, run)
+        save(client, store, run, attempt, step=step)
+
+
+def prepare(server: ServerProcess, args: argparse.Namespace) -> tuple[Probe, tuple[str, ...]]:
+    """The run to probe and flood (``--bundles`` bundles) and ``--runs`` runs to page
+    through, with ``--mix``; the probe, and the GETs the flood goes round."""
+    if args.probe == "healthz" and not args.mix:
+        return Probe(), ()
+    store = DirectoryStore(server.store)
+    with server.client() as admin:
+        populate(admin, store, RUN, args.bundles)
+        for i in range(args.runs if args.mix else 0):
+            admin.post("/v1/runs", json={"name": f"page-{i:04}"}).raise_for_status()
+    what = Probe()
+    if args.probe == "resumable":
+        reader = new_token(server, role="read", name="scheduler")
+        what = Probe(path=f"/v1/runs/{RUN}/resumable", token=reader)
+    mix = (f"/v1/runs/{RUN}/lineage", "/v1/runs?limit=500") if args.mix else ()
+    return what, mix
 
 
 def measure(label: str, root: Path, database_url: str | None, args: argparse.Namespace) -> None:
     root.mkdir(parents=True)
     env = dict(item.split("=", 1) for item in args.env)
     with ckpt_server(root, database_url=database_url, env=env) as server:
+        what, mix = prepare(server, args)
+        token = (
+            new_token(server, role="admin", name="flood")
+            if mix
+            else new_token(server, role="run", run="flood", name="flood")
+        )
         flood = Flood(
             url=server.url,
-            token=run_token(server),
+            token=token,
             clients=args.clients,
             body=flood_body(args.entries),
             obey_retry_after=not args.ignore_retry_after,
+            mix=mix,
         )
-        quiet = probe(server.url, args.probes)
+        quiet = probe(server.url, args.probes, what)
         started = time.perf_counter()
         with flooding(flood) as answers:
             time.sleep(1.0)  # let the flood build up
-            loaded = probe(server.url, args.probes)
+            loaded = probe(server.url, args.probes, what)
         elapsed = time.perf_counter() - started
     report(label, args, quiet=quiet, loaded=loaded, answers=answers, elapsed=elapsed)
 
@@ -173,11 +232,12 @@ def report(
 ) -> None:
     (q50, q99), (l50, l99) = percentiles(quiet), percentiles(loaded)
     manners = "ignoring Retry-After" if args.ignore_retry_after else "obeying Retry-After"
+    kinds = ", lineages, 500-run pages" if args.mix else ""
     print(
         f"\n{label}: {args.clients} clients of one token, blobs/missing of {args.entries} "
-        f"entries, {manners}"
+        f"entries{kinds}, {manners}"
     )
-    print(f"  {'GET /healthz':<22} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"  {'GET /' + args.probe:<22} {'p50 ms':>8} {'p99 ms':>8}")
     print(f"  {'unloaded':<22} {q50 * 1e3:8.2f} {q99 * 1e3:8.2f}")
     print(f"  {'under the flood':<22} {l50 * 1e3:8.2f} {l99 * 1e3:8.2f}")
     print(f"  {'ratio':<22} {l50 / q50:8.1f} {l99 / q99:8.1f}")
@@ -196,6 +256,10 @@ def main() -> None:
     parser.add_argument("--ignore-retry-after", action="store_true", help="a hostile flood")
     parser.add_argument("--postgres", help="a PostgreSQL server URL to flood instead of SQLite")
     parser.add_argument("--env", action="append", default=[], help="NAME=value for the server")
+    parser.add_argument("--probe", choices=("healthz", "resumable"), default="healthz")
+    parser.add_argument("--mix", action="store_true", help="lineages and 500-run pages too")
+    parser.add_argument("--bundles", type=int, default=100, help="of the probed run")
+    parser.add_argument("--runs", type=int, default=500, help="to page through, with --mix")
     args = parser.parse_args()
     if not args.postgres:
         with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,10 @@ dry run again; ``--delete`` ends with two real passes (the first deletes the bac
 the second finds nothing to do). The seeded bundles have no layers, so the sweep finds no blob: what is
 timed is expiry and retention.
 
+Each pass also prints its retention transactions: how many, and the longest (the longest
+time its runs' rows stayed locked: a commit of one of them waits that long at most).
+``--batch`` sets ``CKPT_GC_BATCH_BUNDLES`` for the passes.
+
 ``--latency`` then starts a real ``ckpt server`` on that catalog and times
 ``GET /v1/runs/{run}/resumable`` back to back: idle, while a dry-run pass with
 ``keep_last=10`` runs inside the server's process (``POST /v1/gc``, as a server with
@@ -32,7 +36,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from service.context import Context
 from service.db import make_engine, upgrade
+from service.gc import service as gc_service
 from service.gc.service import collect
 from service.settings import Settings
 from tests.databases import throwaway_database
@@ -52,8 +58,33 @@ from tests.ui.plans import explain as plan_of
 from tests.ui.seed import Shape, seed
 
 
+@contextmanager
+def timed_transactions() -> Iterator[list[float]]:
+    """The durations of each retention transaction (``_retain``) while the block runs."""
+    real, durations = gc_service._retain, []
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            durations.append(time.perf_counter() - started)
+
+    gc_service._retain = timed
+    try:
+        yield durations
+    finally:
+        gc_service._retain = real
+
+
 def timed_pass(
-    url: str, store: Path, *, keep_last: int | None, dry_run: bool, plans: bool = False
+    url: str,
+    store: Path,
+    *,
+    keep_last: int | None,
+    dry_run: bool,
+    plans: bool = False,
+    batch: int | None = None,
 ) -> float:
     settings = Settings(
         database_url=url,
@@ -61,10 +92,11 @@ def timed_pass(
         admin_token="bench-admin-token-0123456789",
         gc_interval_seconds=0,
         keep_last=keep_last,
+        **({"gc_batch_bundles": batch} if batch else {}),
     )
     context = Context.create(settings)
     try:
-        with recorded(context.engine, kinds=STATEMENTS) as seen:
+        with recorded(context.engine, kinds=STATEMENTS) as seen, timed_transactions() as spans:
             started = time.perf_counter()
             report = collect(context, dry_run=dry_run)
             elapsed = time.perf_counter() - started
@@ -76,7 +108,8 @@ def timed_pass(
     print(
         f"  keep_last={keep_last}, dry_run={dry_run}: {elapsed:.2f} s "
         f"({len(report.deleted_bundles)} bundles retention would delete, "
-        f"{len(report.failed_bundles)} expired)"
+        f"{len(report.failed_bundles)} expired); {len(spans)} retention transactions, "
+        f"the longest {max(spans, default=0) * 1e3:.0f} ms"
     )
     return elapsed
 
@@ -194,6 +227,7 @@ def main() -> None:
         action="store_true",
         help="last, two real passes with keep_last=10: the backlog's, then the next one",
     )
+    parser.add_argument("--batch", type=int, help="CKPT_GC_BATCH_BUNDLES (default: its own)")
     args = parser.parse_args()
     shape = Shape(runs=args.runs, bundles_per_run=args.bundles, big_bundles=0)
     with throwaway_database(args.postgres) as url, tempfile.TemporaryDirectory() as tmp:
@@ -211,8 +245,8 @@ def main() -> None:
             latency(url, Path(tmp))
         if args.delete:
             # The backlog: deletes.
-            timed_pass(url, store, keep_last=10, dry_run=False, plans=True)
-            timed_pass(url, store, keep_last=10, dry_run=False)  # the pass after it
+            timed_pass(url, store, keep_last=10, dry_run=False, plans=True, batch=args.batch)
+            timed_pass(url, store, keep_last=10, dry_run=False, batch=args.batch)  # the next
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     _count_requests(app, context)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
     # Outermost: a request over its token's limits is refused before its body is read.
-    app.add_middleware(Limits, limits=token_limits(settings))
+    app.add_middleware(Limits, limits=token_limits(settings), metrics=context.metrics)
     return app
 
 

@@ -4,12 +4,18 @@ the server from the others (nor from its probes).
 - **Rate**: a token bucket per bearer token: ``CKPT_RATE_LIMIT_PER_SECOND`` requests a second
   on average, ``CKPT_RATE_LIMIT_BURST`` at once after a quiet spell. Beyond: 429
   ``rate_limited`` with ``Retry-After``.
-- **Expensive requests in flight**: at most ``CKPT_MAX_EXPENSIVE_PER_TOKEN`` per token: the
-  routes of ``EXPENSIVE``, and any request with a body over ``LARGE_BODY_BYTES``; one with a
-  large body counts as several (``Head.weight``). Beyond: 429 ``too_many_in_flight`` at
-  once, with ``Retry-After: 1``.
+- **Expensive requests in flight**: at most ``CKPT_MAX_EXPENSIVE_PER_TOKEN`` per token (what
+  ``service.admission`` calls expensive: bulk requests and commits); a heavy one counts as
+  several (``Head.weight``). Beyond: 429 ``too_many_in_flight`` at once, with
+  ``Retry-After: 1``.
+- **Bulk requests in flight**: at most ``CKPT_MAX_BULK_IN_FLIGHT`` (by weight) in the
+  process, whatever their tokens, so that the priority class (``/resumable``, heartbeats,
+  commits) always finds worker threads and cores free. Beyond: the same 429.
 - **Blob queries**: a ``/v1/blobs/missing`` body of more than ``MAX_BLOBS_QUERY_BYTES`` is
   refused (413) before it is parsed; the schema then caps the list at 10,000 blobs.
+
+A refusal never cuts the connection: the server reads and drops a body it did not need,
+so that the client, still sending it, reads its answer rather than a reset.
 
 A token is known by the secret it sends, before authentication (which needs the database):
 an unknown token gets a bucket too, and a 401. Requests without a token (probes, the API
@@ -22,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import re
 import time
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.admission import Head, RouteClass
 from service.bundles.schemas import MAX_BLOBS_PER_QUERY
 from service.errors import (
     PayloadTooLargeError,
@@ -36,31 +42,27 @@ from service.errors import (
     ServiceError,
     TooManyInFlightError,
 )
+from service.metrics import Metrics
 from service.settings import Settings
 
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 BLOBS_QUERY = "/v1/blobs/missing"
 # A blob reference is about 90 bytes of JSON; 128 leaves room for spaces.
 MAX_BLOBS_QUERY_BYTES = MAX_BLOBS_PER_QUERY * 128
-# A body larger than this costs real time to parse (an agent's queries and records are
-# smaller): the request counts as expensive, whatever its route.
-LARGE_BODY_BYTES = 64 << 10
-# Parsing and answering a large body costs in proportion to its size: a request counts as
-# one more expensive request per this many bytes of body (a query of 10,000 blobs as 4).
-WEIGHT_BYTES = 256 << 10
-MAX_WEIGHT = 64
 # A token over its rate, or that sends again before the Retry-After of its last refusal,
 # gets its 429 after this long at most (see Limits.__call__).
 MAX_PAUSE_SECONDS = 1.0
 
-# Requests whose work grows with the catalog or the store, not with the request line:
-# commits and re-verification read blobs back, gc and the scrubber walk everything.
-EXPENSIVE: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("POST", re.compile(r"/v1/bundles/[^/]+/(commit|unquarantine)")),
-    ("POST", re.compile(r"/v1/(gc|scrub)")),
-    ("GET", re.compile(r"/v1/runs/[^/]+/(lineage|events)")),
-    ("GET", re.compile(r"/v1/bundles/[^/]+/events")),
-)
+
+@dataclass(frozen=True)
+class Ticket:
+    """What an admitted request counts in flight, until it is answered."""
+
+    weight: int  # against its token's expensive requests
+    bulk: int  # against the process's bulk requests
+
+
+NOTHING = Ticket(weight=0, bulk=0)
 
 
 @dataclass
@@ -76,11 +78,19 @@ class TokenLimits:
     per token. Time comes in as ``now``; one event loop uses it, so it takes no lock."""
 
     def __init__(
-        self, *, rate: float, burst: int, max_in_flight: int, max_tokens: int = 10_000
+        self,
+        *,
+        rate: float,
+        burst: int,
+        max_in_flight: int,
+        max_bulk: int = 0,
+        max_tokens: int = 10_000,
     ) -> None:
         self.rate = rate  # 0: no rate limit
         self.burst = burst
         self.max_in_flight = max_in_flight  # 0: no cap
+        self.max_bulk = max_bulk  # 0: no cap
+        self.bulk_in_flight = 0  # bulk requests being served, all tokens (by weight)
         self._buckets: dict[bytes, _Bucket] = {}
         self._prune_above = max_tokens
 
@@ -111,24 +121,70 @@ class TokenLimits:
         weight = min(weight, self.max_in_flight)
         bucket = self._bucket(key, now)
         if bucket.in_flight + weight > self.max_in_flight:
-            # At once, unless the token did not wait the Retry-After of its last refusal.
-            impatient = now < bucket.refused_until
-            bucket.refused_until = now + 1
-            raise TooManyInFlightError(
+            raise self._refused(
+                bucket,
+                now,
                 f"this token already has expensive requests worth {bucket.in_flight} in "
                 f"flight, and {what} is worth {weight}: one token may have "
-                f"{self.max_in_flight} (CKPT_MAX_EXPENSIVE_PER_TOKEN) on this server. Send it "
-                "again when one of them is answered; retry after 1 s",
-                retry_after=1,
-                pause=MAX_PAUSE_SECONDS if impatient else 0.0,
+                f"{self.max_in_flight} (CKPT_MAX_EXPENSIVE_PER_TOKEN) on this server",
             )
         bucket.in_flight += weight
         return weight
+
+    def enter_bulk(self, key: bytes, *, what: str, now: float, weight: int) -> int:
+        """Count a bulk request in against the process's budget (at most the whole budget,
+        so that the heaviest may run alone), or raise ``TooManyInFlightError``. Returns the
+        weight counted, for ``leave_bulk``."""
+        if self.max_bulk <= 0:
+            return 0
+        weight = min(weight, self.max_bulk)
+        if self.bulk_in_flight + weight > self.max_bulk:
+            raise self._refused(
+                self._bucket(key, now),
+                now,
+                f"this server already has bulk requests worth {self.bulk_in_flight} in "
+                f"flight, and {what} is worth {weight}: it serves {self.max_bulk} at once "
+                "(CKPT_MAX_BULK_IN_FLIGHT), to keep room for resumes, heartbeats and commits",
+            )
+        self.bulk_in_flight += weight
+        return weight
+
+    def admit_ticket(self, key: bytes, head: Head, *, now: float) -> Ticket:
+        """Count ``head``'s request in flight as its class and weight say; refused (raises
+        ``TooManyInFlightError``) with nothing counted."""
+        if not head.expensive:
+            return NOTHING
+        what = f"{head.method} {head.path}"
+        weight = self.enter(key, what=what, now=now, weight=head.weight)
+        if head.route_class is not RouteClass.BULK:
+            return Ticket(weight=weight, bulk=0)
+        try:
+            bulk = self.enter_bulk(key, what=what, now=now, weight=head.weight)
+        except TooManyInFlightError:
+            self.leave(key, weight)
+            raise
+        return Ticket(weight=weight, bulk=bulk)
 
     def leave(self, key: bytes, weight: int) -> None:
         """Count an expensive request out (it was answered, or its client went away)."""
         if weight:
             self._buckets[key].in_flight -= weight
+
+    def release(self, key: bytes, ticket: Ticket) -> None:
+        """Count out what ``admit_ticket`` counted in."""
+        self.leave(key, ticket.weight)
+        self.bulk_in_flight -= ticket.bulk
+
+    @staticmethod
+    def _refused(bucket: _Bucket, now: float, why: str) -> TooManyInFlightError:
+        # At once, unless the token did not wait the Retry-After of its last refusal.
+        impatient = now < bucket.refused_until
+        bucket.refused_until = now + 1
+        return TooManyInFlightError(
+            f"{why}. Send it again when one of them is answered; retry after 1 s",
+            retry_after=1,
+            pause=MAX_PAUSE_SECONDS if impatient else 0.0,
+        )
 
     def in_flight(self, key: bytes) -> int:
         bucket = self._buckets.get(key)
@@ -157,11 +213,13 @@ class TokenLimits:
 
 class Limits:
     """The ASGI middleware that applies ``TokenLimits``; outermost, so that a refusal costs
-    neither reading the body nor a worker thread."""
+    neither parsing the body nor a worker thread."""
 
-    def __init__(self, app: ASGIApp, *, limits: TokenLimits) -> None:
+    def __init__(self, app: ASGIApp, *, limits: TokenLimits, metrics: Metrics) -> None:
         self.app = app
         self.limits = limits
+        self.metrics = metrics
+        metrics.bulk_in_flight.set_function(lambda: limits.bulk_in_flight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = _limited(scope)
@@ -170,15 +228,16 @@ class Limits:
             return
         head = Head.of(scope)
         try:
-            receive, weight = await self._admit(key, head, receive)
+            receive, ticket = await self._admit(key, head, receive)
         except ServiceError as err:
             if isinstance(err, RateLimitedError) and err.pause:
                 # A client that ignores Retry-After waits anyway: its flood of refusals
                 # slows to one per connection per pause, at no cost to the server.
                 await asyncio.sleep(err.pause)
-            await _refuse(err, send, unread_body=head.large)
+            self.metrics.refused.labels(err.code, head.route_class.value).inc()
+            await _refuse(err, send)
             return
-        if not weight:
+        if ticket == NOTHING:
             await self.app(scope, receive, send)
             return
         # Counted out as soon as the response is sent: the client's next request may come
@@ -189,7 +248,7 @@ class Limits:
             nonlocal released
             if not released:
                 released = True
-                self.limits.leave(key, weight)
+                self.limits.release(key, ticket)
 
         async def sending(message: Message) -> None:
             await send(message)
@@ -201,56 +260,14 @@ class Limits:
         finally:
             release()
 
-    async def _admit(self, key: bytes, head: Head, receive: Receive) -> tuple[Receive, int]:
+    async def _admit(self, key: bytes, head: Head, receive: Receive) -> tuple[Receive, Ticket]:
         """Count the request in, or raise the ``ServiceError`` that refuses it. Returns the
-        receive to read its body with, and the weight it counts in flight (0: cheap)."""
+        receive to read its body with, and what it counts in flight."""
         now = time.monotonic()
         self.limits.admit(key, now=now)
         if head.method == "POST" and head.path == BLOBS_QUERY:
             receive = await _capped_body(receive, head.body_bytes, cap=MAX_BLOBS_QUERY_BYTES)
-        if not head.expensive:
-            return receive, 0
-        what = f"{head.method} {head.path}"
-        return receive, self.limits.enter(key, what=what, now=now, weight=head.weight)
-
-
-@dataclass(frozen=True)
-class Head:
-    """What the limits look at: the request line and headers, never the body."""
-
-    method: str
-    path: str
-    body_bytes: int | None  # as declared; None: streamed (chunked) or unreadable
-
-    @classmethod
-    def of(cls, scope: Scope) -> Head:
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
-        if declared is not None:
-            size = int(declared) if declared.isdigit() else None
-        else:
-            size = None if b"transfer-encoding" in headers else 0
-        return cls(method=scope["method"], path=scope["path"], body_bytes=size)
-
-    @property
-    def large(self) -> bool:
-        """A body of unknown or large size: parsing it costs the server real time."""
-        return self.body_bytes is None or self.body_bytes > LARGE_BODY_BYTES
-
-    @property
-    def expensive(self) -> bool:
-        """A route of ``EXPENSIVE``, or any request with a large body."""
-        return self.large or any(
-            self.method == verb and pattern.fullmatch(self.path) for verb, pattern in EXPENSIVE
-        )
-
-    @property
-    def weight(self) -> int:
-        """How many expensive requests it counts as: one, and one more per
-        ``WEIGHT_BYTES`` of body (a streamed body counts as the largest)."""
-        if self.body_bytes is None:
-            return MAX_WEIGHT
-        return min(MAX_WEIGHT, 1 + self.body_bytes // WEIGHT_BYTES)
+        return receive, self.limits.admit_ticket(key, head, now=now)
 
 
 def _limited(scope: Scope) -> bytes | None:
@@ -308,12 +325,13 @@ def _replay(first: Message, original: Receive) -> Receive:
     return receive
 
 
-async def _refuse(err: ServiceError, send: Send, *, unread_body: bool) -> None:
-    """Answer ``err`` without reading the body: one that is still coming is not read but cut
-    off (``Connection: close``), which costs the server less than receiving it."""
+async def _refuse(err: ServiceError, send: Send) -> None:
+    """Answer ``err`` without reading the body. The connection stays open: the server reads
+    and drops the rest of the body once the answer is sent (uvicorn does, for any answer
+    sent before the body was read), and the client reads its answer. Closing it instead
+    (``Connection: close``) made the kernel reset a connection whose body was still coming,
+    and a client still sending it could lose the answer with it: no HTTP status at all."""
     headers = {"Retry-After": str(err.retry_after)} if isinstance(err, RateLimitedError) else {}
-    if unread_body:
-        headers["Connection"] = "close"
     response = JSONResponse(err.body(), status_code=err.status, headers=headers)
     await response({"type": "http"}, _disconnected, send)
 
@@ -328,4 +346,5 @@ def token_limits(settings: Settings) -> TokenLimits:
         rate=settings.rate_limit_per_second,
         burst=settings.rate_limit_burst,
         max_in_flight=settings.max_expensive_per_token,
+        max_bulk=settings.max_bulk_in_flight,
     )

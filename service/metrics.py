@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # From a millisecond (a small state staged in memory) to half an hour (a slow store).
 SAVE_SECONDS_BUCKETS = (
@@ -27,6 +27,17 @@ class Metrics:
             "ckpt_http_request_seconds",
             "HTTP request latency by route template",
             ["method", "route"],
+            registry=self.registry,
+        )
+        self.bulk_in_flight = Gauge(
+            "ckpt_bulk_in_flight",
+            "bulk requests being served (by weight; CKPT_MAX_BULK_IN_FLIGHT at most)",
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "ckpt_requests_refused",
+            "requests the limits refused before reading them, by error and route class",
+            ["error", "route_class"],
             registry=self.registry,
         )
         self.attempts = Counter(
@@ -79,7 +90,19 @@ class Metrics:
             "ckpt_gc_deleted_bytes", "bytes garbage collection deleted", registry=self.registry
         )
         self.gc_deleted_bundles = Counter(
-            "ckpt_gc_deleted_bundles", "bundles retention deleted", registry=self.registry
+            "ckpt_gc_deleted_bundles",
+            "bundles retention deleted (counted batch by batch, as a pass goes)",
+            registry=self.registry,
+        )
+        self.gc_backlog = Gauge(
+            "ckpt_gc_backlog",
+            "bundles the GC pass in progress found to delete and has not deleted yet",
+            registry=self.registry,
+        )
+        self.gc_batches = Counter(
+            "ckpt_gc_batches",
+            "GC transactions that deleted bundles (each at most CKPT_GC_BATCH_BUNDLES)",
+            registry=self.registry,
         )
         self.scrub_passes = Counter(
             "ckpt_scrub_passes",

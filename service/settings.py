@@ -68,6 +68,13 @@ class Settings:
         max_expensive_per_token: how many expensive requests (``/v1/blobs/missing`` with a
             large body, commits, lineage, gc...) one token may have in flight at once
             (``CKPT_MAX_EXPENSIVE_PER_TOKEN``, default 8, 0 turns it off). Per replica.
+        max_bulk_in_flight: how many bulk requests (lineage, audit events, large pages and
+            bodies..., by weight) the process serves at once, all tokens together, so that
+            ``/resumable``, heartbeats and commits keep worker threads and cores
+            (``CKPT_MAX_BULK_IN_FLIGHT``, default 16, 0 turns it off). Per replica.
+        gc_batch_bundles: how many bundles one GC transaction deletes at most; a pass over
+            a larger backlog deletes it in as many short transactions
+            (``CKPT_GC_BATCH_BUNDLES``, default 1000).
     """
 
     database_url: str = "sqlite:///.ckpt/catalog.db"
@@ -93,6 +100,8 @@ class Settings:
     rate_limit_per_second: float = 200.0
     rate_limit_burst: int = 5000
     max_expensive_per_token: int = 8
+    max_bulk_in_flight: int = 16
+    gc_batch_bundles: int = 1000
 
     def __post_init__(self) -> None:
         for name in (
@@ -160,6 +169,14 @@ class Settings:
             raise ValueError(
                 "max_expensive_per_token must be >= 0 (0: no cap), got "
                 f"{self.max_expensive_per_token}"
+            )
+        if self.max_bulk_in_flight < 0:
+            raise ValueError(
+                f"max_bulk_in_flight must be >= 0 (0: no cap), got {self.max_bulk_in_flight}"
+            )
+        if self.gc_batch_bundles < 1:
+            raise ValueError(
+                f"gc_batch_bundles must be at least 1 bundle, got {self.gc_batch_bundles}"
             )
 
     @property

@@ -12,6 +12,12 @@
    it, and a commit verifies presence after recording, so it can never complete a bundle
    with a blob that was swept.
 
+A backlog (a policy set on runs of many bundles) is deleted in batches of at most
+``CKPT_GC_BATCH_BUNDLES`` bundles, each its own short transaction that weighs its runs again:
+no run stays locked, and no request waits, for more than one batch. ``/metrics`` shows the
+progress: ``ckpt_gc_deleted_bundles_total`` batch by batch, ``ckpt_gc_backlog`` what the
+batch's runs still hold to delete.
+
 One pass runs at a time across replicas (``maintenance``), recorded in
 ``maintenance_pass``; each bundle a pass fails or deletes gets an audit event (actor
 ``gc``).
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -60,8 +66,18 @@ class GcReport(BaseModel):
     young_blobs: int = 0  # unreferenced but inside their grace period
 
 
-def collect(context: Context, *, dry_run: bool = False, now: datetime | None = None) -> GcReport:
-    """One full pass of expire, retain and sweep."""
+Progress = Callable[[], None]  # called after each batch of deletions, outside its transaction
+
+
+def collect(
+    context: Context,
+    *,
+    dry_run: bool = False,
+    now: datetime | None = None,
+    between_batches: Progress | None = None,
+) -> GcReport:
+    """One full pass of expire, retain and sweep; ``between_batches`` is called after each
+    batch of deletions has committed (the metrics show it), before the next begins."""
     now = now or utcnow()
     report = GcReport(dry_run=dry_run)
     with exclusive(context, Task.GC) as current:
@@ -77,14 +93,15 @@ def collect(context: Context, *, dry_run: bool = False, now: datetime | None = N
             run_ids = repository.run_ids(session, server_keeps=server_keeps)
         for start in range(0, len(run_ids), _RUNS_AT_ONCE):
             batch = run_ids[start : start + _RUNS_AT_ONCE]
-            report.deleted_bundles += _retain(context, batch, dry_run=dry_run)
+            report.deleted_bundles += _retain_all(
+                context, batch, dry_run=dry_run, between_batches=between_batches
+            )
         _sweep(context, report, now=now)
         current.outcome = report.model_dump_json()
     m = context.metrics
     if not dry_run:
         m.gc_deleted_blobs.inc(report.deleted_blobs)
         m.gc_deleted_bytes.inc(report.deleted_bytes)
-        m.gc_deleted_bundles.inc(len(report.deleted_bundles))
     log.info("gc: %s", report.model_dump_json())
     return report
 
@@ -106,34 +123,109 @@ def _expire(context: Context, *, now: datetime, dry_run: bool) -> list[int]:
         return stale
 
 
-def _retain(context: Context, run_ids: list[int], *, dry_run: bool) -> list[int]:
+def _retain_all(
+    context: Context, run_ids: list[int], *, dry_run: bool, between_batches: Progress | None
+) -> list[int]:
+    """``_retain`` these runs until their policies let nothing more go, in batches of at
+    most ``CKPT_GC_BATCH_BUNDLES`` bundles: the ids deleted (or, dry, to delete).
+
+    One dry weighing, its runs unlocked, groups the runs into batches; each batch then
+    weighs its own runs again under their locks (a commit, a rollback or a pin may have
+    come since), and a run holding more than a batch goes in several."""
+    most = context.settings.gc_batch_bundles
+    if dry_run:
+        return _retain(context, run_ids, dry_run=True, most=most)[0]
+    deleted: list[int] = []
+    for group in _groups(context, run_ids, most=most):
+        deleted += _delete_in_batches(context, group, most=most, between_batches=between_batches)
+    return deleted
+
+
+def _groups(context: Context, run_ids: list[int], *, most: int) -> list[list[int]]:
+    """These runs in groups whose bundles to delete add up to at most ``most`` (a run with
+    more is a group of its own); runs with none to delete are left out."""
+    with context.transaction() as session:
+        weighed = _weigh(context, session, run_ids, lock=False)
+    counts = {run_id: len(ids) for run_id, ids in weighed.doomed.items()}
+    groups: list[list[int]] = []
+    size = most  # the current group is full: start one
+    for run_id in (i for i in run_ids if counts.get(i)):
+        if size + counts[run_id] > most:
+            groups.append([])
+            size = 0
+        groups[-1].append(run_id)
+        size += counts[run_id]
+    return groups
+
+
+def _delete_in_batches(
+    context: Context, run_ids: list[int], *, most: int, between_batches: Progress | None
+) -> list[int]:
+    """Delete what these runs' policies let go, ``most`` at a time, each batch weighing
+    them again: the ids."""
+    metrics = context.metrics
+    deleted: list[int] = []
+    while True:
+        done, left = _retain(context, run_ids, dry_run=False, most=most)
+        deleted += done
+        metrics.gc_backlog.set(left)
+        if done:
+            metrics.gc_deleted_bundles.inc(len(done))
+            metrics.gc_batches.inc()
+            if between_batches is not None:
+                between_batches()
+        if not left or not done:
+            return deleted
+
+
+def _retain(
+    context: Context, run_ids: list[int], *, dry_run: bool, most: int
+) -> tuple[list[int], int]:
     """Delete the complete bundles these runs' policies let go, and their quarantined ones
-    the same policies, applied to them apart, let go: the ids, oldest first per run.
+    the same policies, applied to them apart, let go, at most ``most`` of them: the ids,
+    oldest first per run, and how many more they let go (dry: all of them, and 0).
 
     Three queries weigh the whole batch (its runs, locked; the bundle each resumes from;
     their bundles' columns): a transaction, a lock and a walk per run cost 5-7 ms each."""
     with context.transaction() as session:
-        runs = repository.runs_by_id(session, ids=run_ids, lock=not dry_run)
-        starts = repository.resumable_ids(session, run_ids=run_ids)
-        kept = repository.kept_in(session, run_ids=run_ids)
-        policies = {run.id: _Policy.of(run, context.settings) for run in runs}
-        doomed = {
-            run.id: policies[run.id].doomed(run, kept, start=starts.get(run.id)) for run in runs
-        }
+        weighed = _weigh(context, session, run_ids, lock=not dry_run)
+        runs, policies, kept, doomed = weighed.runs, weighed.policies, weighed.kept, weighed.doomed
         every = [bundle_id for ids in doomed.values() for bundle_id in ids]
         if dry_run:
-            return every
+            return every, 0
+        now_ids = set(every[:most])
         positions = {b.id: (b.step, b.micro_step) for bundles in kept.values() for b in bundles}
         by_reason: dict[str, list[repository.Doomed]] = defaultdict(list)  # a reason per policy
         for run in runs:
             by_reason[f"retention ({policies[run.id]})"] += (
-                repository.Doomed(i, run.id, *positions[i]) for i in doomed[run.id]
+                repository.Doomed(i, run.id, *positions[i]) for i in doomed[run.id] if i in now_ids
             )
         names = {run.id: run.name for run in runs}
         for reason, bundles in by_reason.items():
             for start in range(0, len(bundles), _AT_ONCE):
                 _delete(context, session, bundles[start : start + _AT_ONCE], reason, names)
-        return every
+        return every[:most], len(every) - len(now_ids)
+
+
+@dataclass(frozen=True)
+class _Weighed:
+    """Runs, their policies, their bundles kept so far, and what the policies let go."""
+
+    runs: list[Run]
+    policies: dict[int, _Policy]
+    kept: Mapping[tuple[int, str], Sequence[Kept]]
+    doomed: dict[int, list[int]]
+
+
+def _weigh(context: Context, session: Session, run_ids: list[int], *, lock: bool) -> _Weighed:
+    """Three queries: the runs (locked if ``lock``), the bundle each resumes from, and
+    their bundles' columns."""
+    runs = repository.runs_by_id(session, ids=run_ids, lock=lock)
+    starts = repository.resumable_ids(session, run_ids=run_ids)
+    kept = repository.kept_in(session, run_ids=run_ids)
+    policies = {run.id: _Policy.of(run, context.settings) for run in runs}
+    doomed = {run.id: policies[run.id].doomed(run, kept, start=starts.get(run.id)) for run in runs}
+    return _Weighed(runs=runs, policies=policies, kept=kept, doomed=doomed)
 
 
 @dataclass(frozen=True)

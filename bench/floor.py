@@ -1,0 +1,29 @@
+"""The floor of ``bench/fleet.py``: the least a FastAPI + SQLAlchemy service can do per
+request, on the same database: one primary-key SELECT of a run, answered as JSON.
+
+    FLOOR_DATABASE_URL=postgresql+psycopg://... python -m uvicorn floor:app --app-dir bench
+"""
+
+from __future__ import annotations
+
+import os
+
+from fastapi import FastAPI
+from sqlalchemy import create_engine, text
+
+engine = create_engine(os.environ["FLOOR_DATABASE_URL"], pool_size=20, pool_pre_ping=True)
+app = FastAPI()
+
+
+@app.get("/readyz")
+def ready() -> dict[str, bool]:
+    return {"ready": True}
+
+
+@app.get("/floor/{run_id}")
+def floor(run_id: int) -> dict[str, object]:
+    with engine.connect() as connection:
+        row = connection.execute(
+            text("SELECT id, name FROM run WHERE id = :id"), {"id": run_id}
+        ).one_or_none()
+    return {"id": row.id, "name": row.name} if row else {"id": None}
