@@ -205,18 +205,19 @@ def test_steps_lost_are_drawn_on_the_lane_of_the_attempt_that_lost_them(
     # Attempt 3 started at 40 (from bundle 40) and stopped at 66; its last resumable
     # bundle was 50. The rollback sent attempt 4 back to 30: steps 30-40 were attempt 2's
     # and attempt 1's, not attempt 3's.
-    band = _box(page, 'svg#lineage g.lane[data-attempt="3"] rect.lost')
-    track = _box(page, 'svg#lineage g.lane[data-attempt="3"] line.track')
+    lane = "svg#lineage g.lane >> nth={} >> {}"  # oldest first
+    band = _box(page, lane.format(2, "rect.lost"))
+    track = _box(page, lane.format(2, "line.track"))
     mark_50 = _box(page, f'svg#lineage a.bundle[data-key="bundle-{ids["50"]}"] .mark')
     assert band["x"] >= track["x"] - 1
     assert abs(band["x"] - (mark_50["x"] + mark_50["width"] / 2)) <= 2
     assert abs(band["x"] + band["width"] - (track["x"] + track["width"])) <= 3
     # Attempt 1 lost 31-34 past its bundle 30, where attempt 2 resumed.
-    band_1 = _box(page, 'svg#lineage g.lane[data-attempt="1"] rect.lost')
+    band_1 = _box(page, lane.format(0, "rect.lost"))
     mark_30 = _box(page, f'svg#lineage a.bundle[data-key="bundle-{ids["30"]}"] .mark')
     assert abs(band_1["x"] - (mark_30["x"] + mark_30["width"] / 2)) <= 2
     lost = page.locator("svg#lineage rect.lost").evaluate_all(
-        "rects => rects.map(r => [r.dataset.attempt, r.dataset.steps])"
+        "rects => rects.map(r => [r.closest('g.lane').dataset.epoch, r.dataset.steps])"
     )
     assert sorted(lost) == [["1", "4"], ["3", "16"]]
 
@@ -338,7 +339,7 @@ def test_the_run_page_fits_1280_px_with_a_long_notice(
     open_page: OpenPage, catalog: Catalog, screenshots: Path
 ) -> None:
     page = run_page(open_page, catalog, height=800)
-    notice = page.locator('#attempts tr[data-attempt="3"] [data-col="notice"]').inner_text()
+    notice = page.locator('#attempts tr[data-epoch="3"] [data-col="notice"]').inner_text()
     assert NOTICE in notice.replace("\n", "")
     assert page.evaluate("document.documentElement.scrollWidth") <= 1280
     # What a person reviews: the first screen, as a newcomer sees it, and the whole page.
