@@ -8,6 +8,7 @@ colour (``palette.py``), for readers who do not tell the colours apart, and on p
 
 from __future__ import annotations
 
+import functools
 from html import escape
 
 from service.ui import palette
@@ -130,6 +131,7 @@ def resume_edge(d: str) -> str:
 LEGEND_ROW = 26
 
 
+@functools.cache
 def draw_legend(*, width: int) -> str:
     """The legend as ``<svg id="legend">``: each entry drawn by the functions that draw the
     picture, a ``g.legend-entry`` with the state it explains (``data-status``,

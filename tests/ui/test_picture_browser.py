@@ -194,7 +194,7 @@ def test_lanes_are_named_as_attempts_with_the_epoch_in_the_details(
 def _box(page: Page, selector: str) -> dict[str, float]:
     box = page.locator(selector).bounding_box()
     assert box is not None, selector
-    return box
+    return {"x": box["x"], "y": box["y"], "width": box["width"], "height": box["height"]}
 
 
 def test_steps_lost_are_drawn_on_the_lane_of_the_attempt_that_lost_them(
