@@ -279,13 +279,18 @@ def _lost(
         return ""
     steps = lane.last_step - start
     bound = "" if lineage.steps_lost_exact(lane.ended) else "at least "
+    # A rollback can send the successor back before what this attempt's ending lost: the
+    # attempt's steps lost (lineage.steps_lost, as the table and the API count them) then
+    # hold those steps too; they are on the abandoned branch, not in this band.
+    earlier = (lane.steps_lost or 0) - steps
+    further = f"; its successor resumed {earlier} steps further back" if earlier > 0 else ""
     return (
         f'<rect class="lost" data-epoch="{lane.epoch}" data-attempt="{lane.ordinal}" '
         f'data-steps="{steps}" data-from="{start}" data-to="{lane.last_step}" '
         f"{lost_band(plan.x(start), plan.x(lane.last_step), y, height=LANE_HEIGHT - 16)}>"
         f"<title>{bound}{steps} steps lost when attempt {lane.ordinal} ended "
         f"({escape(lane.ended)}): steps {start} to {lane.last_step}, trained again by "
-        f"attempt {successor.ordinal}</title></rect>"
+        f"attempt {successor.ordinal}{further}</title></rect>"
     )
 
 

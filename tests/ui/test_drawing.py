@@ -131,6 +131,18 @@ def test_steps_lost_begin_no_earlier_than_the_lane_nor_its_last_complete_bundle(
     )
 
 
+def test_a_band_after_a_rollback_says_how_far_back_its_successor_resumed() -> None:
+    lanes = [
+        Lane(attempt_id=3, epoch=3, start_step=40, last_step=66, ended="preempted", steps_lost=36),
+        Lane(attempt_id=4, epoch=5, start_step=30, last_step=60, ended="finished", number=4),
+    ]
+    saved = [Mark(id=6, step=50, status="complete", attempt_id=3)]
+    svg = draw_lineage(Picture(run="r", lanes=lanes, marks=saved))
+    assert 'data-steps="16" data-from="50" data-to="66"' in svg
+    assert "16 steps lost when attempt 3 ended (preempted): steps 50 to 66, trained again" in svg
+    assert "attempt 4; its successor resumed 20 steps further back</title>" in svg
+
+
 def test_the_save_figures_show_their_range_and_steps() -> None:
     points = [
         SavePoint(step=10, stall_seconds=0.25, persist_seconds=2.0, throughput=3e6, new_bytes=5),
