@@ -36,7 +36,8 @@ from service.ui.marks import (
 
 WIDTH = 1160  # the page's width at 1280 px, less its margins
 LABEL_WIDTH = 190  # the lanes' names, left of the axis
-RIGHT_MARGIN = 24
+RIGHT_MARGIN = 36  # room for the end markers
+END_GAP = 15  # from a lane's last step to its end marker, clear of a bundle's mark there
 LANE_HEIGHT = 44
 AXIS_HEIGHT = 30
 TICKS = 8
@@ -236,6 +237,7 @@ def _lane(href: str, lane: Lane, plan: _Layout, marks: list[Mark], successor: La
     y = plan.y(row)
     end_step = lane.last_step if lane.last_step is not None else lane.start_step
     x1, x2 = plan.x(lane.start_step), plan.x(end_step)
+    tail = round(x2 + END_GAP, 1)  # its end marker
     shown = escape(lane.ended)
     where = " · ".join(part for part in (lane.pod, lane.node) if part) or "no pod reported"
     about = (
@@ -253,7 +255,9 @@ def _lane(href: str, lane: Lane, plan: _Layout, marks: list[Mark], successor: La
         f"{_lost(lane, plan, y, successor, marks)}"
         f'<line class="track ended-{shown}" x1="{x1}" y1="{y}" x2="{x2}" y2="{y}" '
         f'stroke="{colour}" stroke-width="4"/>'
-        f"{end_marker(lane.ended, x2, y)}"
+        f'<line class="tail" x1="{x2}" y1="{y}" x2="{tail}" y2="{y}" '
+        f'stroke="{colour}" stroke-width="2"/>'
+        f"{end_marker(lane.ended, tail, y)}"
         f"{''.join(_mark(href, mark, plan.x(mark.step), y) for mark in marks)}</g>"
     )
 
