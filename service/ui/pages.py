@@ -40,6 +40,7 @@ from service.ui.window import run_window
 
 MAX_RANKS_SHOWN = 256  # of a bundle's completeness matrix
 MAX_BLOBS_SHOWN = 500
+MAX_LAYERS_NAMED = 6  # of the layers that hold one blob
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ class BlobView:
     sha256: str
     size: int
     state: str  # verified, size-checked, unverified, absent, wrong_size, wrong_hash, unknown
-    layers: tuple[str, ...] = ()  # "rank 0 weights": the layers that hold it
+    layers: tuple[str, ...] = ()  # "rank 0 weights": the first layers that hold it
+    more_layers: int = 0  # how many others hold it too (a header many layers share)
 
 
 @dataclass(frozen=True)
@@ -156,13 +158,11 @@ def bundle_page(
     layers = bundles_repository.layers_of(session, bundle_id=bundle.id)
     recorded = {(row.rank, Layer(row.layer)): int(row.record["payload_bytes"]) for row in layers}
     sizes: dict[str, int] = {}
-    holders: dict[str, list[str]] = {}
+    holders: dict[str, dict[str, None]] = {}  # sha -> the layers that hold it, in order
     for row in layers:
         for blob in row.record.get("blobs", []):
             sizes[blob["sha256"]] = int(blob["size"])
-            held = holders.setdefault(blob["sha256"], [])
-            if f"rank {row.rank} {row.layer}" not in held:
-                held.append(f"rank {row.rank} {row.layer}")
+            holders.setdefault(blob["sha256"], {})[f"rank {row.rank} {row.layer}"] = None
     shown = list(sizes.items())[:MAX_BLOBS_SHOWN]
     known = bundles_repository.blobs_by_sha(session, shas=[sha for sha, _ in shown])
     attempt = session.get(Attempt, bundle.attempt_id) if bundle.attempt_id else None
@@ -186,7 +186,7 @@ def bundle_page(
             for i, layer in enumerate(RESTORE_ORDER)
         },
         missing=missing_words(missing),
-        blobs=[_blob(sha, size, known.get(sha), layers=tuple(holders[sha])) for sha, size in shown],
+        blobs=[_blob(sha, size, known.get(sha), layers=list(holders[sha])) for sha, size in shown],
         num_blobs=len(sizes),
         saves=saves,
         new_run_command=new_run_command(run.name, bundle, server_url=server_url),
@@ -230,8 +230,9 @@ def _matrix(
     ]
 
 
-def _blob(sha256: str, size: int, blob: Blob | None, *, layers: tuple[str, ...]) -> BlobView:
-    """A blob and what the catalog knows of its copy in the store."""
+def _blob(sha256: str, size: int, blob: Blob | None, *, layers: list[str]) -> BlobView:
+    """A blob, the first ``MAX_LAYERS_NAMED`` of the layers that hold it, and what the
+    catalog knows of its copy in the store."""
     if blob is None:
         state = "unknown"
     elif blob.damaged_at is not None:
@@ -240,7 +241,8 @@ def _blob(sha256: str, size: int, blob: Blob | None, *, layers: tuple[str, ...])
         state = "verified"  # its bytes hashed to its name
     else:
         state = "size-checked" if trusted(blob) else "unverified"
-    return BlobView(sha256=sha256, size=size, state=state, layers=layers)
+    named = tuple(layers[:MAX_LAYERS_NAMED])
+    return BlobView(sha256, size, state, layers=named, more_layers=len(layers) - len(named))
 
 
 def new_run_command(run: str, bundle: Bundle, *, server_url: str) -> str | None:

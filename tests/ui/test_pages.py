@@ -20,7 +20,7 @@ from service.runs.activity import refresh_activity
 from service.scrub.service import scrub
 from service.ui import window
 from service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage
-from service.ui.pages import missing_words
+from service.ui.pages import _blob, missing_words
 from tests.service.conftest import (  # noqa: F401 (fixtures server needs)
     MakeServer,
     Server,
@@ -489,3 +489,10 @@ def test_the_run_page_shows_each_attempts_goodput_and_chosen_interval(
     assert (cell(1, "goodput"), cell(1, "interval")) == ("0.0%", "12.5 min")
     assert 'title="expected loss 1.5 min per hour"' in page
     assert (cell(2, "goodput"), cell(2, "interval")) == ("—", "—")
+
+
+def test_a_blob_many_layers_share_names_the_first_and_counts_the_rest() -> None:
+    held = [f"rank {rank} weights" for rank in range(8)]
+    blob = _blob("a" * 64, 10, None, layers=held)
+    assert blob.layers == tuple(held[:6]) and blob.more_layers == 2
+    assert blob.state == "unknown"
