@@ -122,8 +122,8 @@ def end_attempt(
         before = _steps_lost(session, attempt)
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
-        attempt.final_save_committed = end.final_save_committed or _newest_committed(
-            session, attempt
+        attempt.final_save_committed = end.final_save_committed or (
+            end.reason == EndReason.FINISHED and _newest_committed(session, attempt)
         )
         if end.time is not None:
             _account(context.metrics, attempt, end.time)
@@ -215,9 +215,10 @@ def _check_advance(session: Session, attempt: Attempt, step: int, *, limit: int)
 
 
 def _newest_committed(session: Session, attempt: Attempt) -> bool:
-    """Whether the attempt's newest bundle committed: its final save, whatever the end report
-    said (``Checkpointer.end("finished")`` waits for the save in flight but reports no flag
-    of its own, so a finished attempt read "not committed" beside a committed bundle)."""
+    """Whether the attempt's newest bundle committed: a finished attempt's final save
+    (``Checkpointer.end("finished")`` waits for the save in flight but reports no flag of
+    its own, so a finished attempt read "not committed" beside a committed bundle). A
+    preempted attempt's flag is its agent's: whether the save after the signal committed."""
     newest = session.scalar(
         select(Bundle.committed_at)
         .where(Bundle.attempt_id == attempt.id)

@@ -1,6 +1,6 @@
 """An attempt's state and final save as the API reports them, on PostgreSQL and SQLite:
 "replaced" as soon as a newer attempt registers (not "running" until the lost-attempt
-sweep), and a final save read from the attempt's newest bundle when its end report says
+sweep), and a finished attempt's final save read from its newest bundle when its end report says
 nothing of it (``Checkpointer.end("finished")`` does not)."""
 
 from __future__ import annotations
@@ -42,13 +42,22 @@ def test_a_finished_attempts_final_save_is_its_newest_bundles_commit(
         assert ended.status_code == 200, ended.text
         assert ended.json()["final_save_committed"] is True
         assert ended.json()["state"] == "finished"
+        # Preempted, its flag is its agent's: no save after the signal committed (the
+        # grace period ran out before a step boundary), though its bundle 20 had.
         cut = register(client, run_name, pod="cut")
         save(client, server.store, run_name, cut, step=20)
-        assert open_bundle(client, run_name, cut, step=30).status_code == 201  # never commits
         ended = client.post(
             f"/v1/attempts/{cut['attempt_id']}/end", json={"reason": "preempted", "step": 31}
         )
         assert ended.json()["final_save_committed"] is False
+        last = register(client, run_name, pod="last")
+        save(client, server.store, run_name, last, step=40)
+        assert open_bundle(client, run_name, last, step=50).status_code == 201  # not committed
+        ended = client.post(
+            f"/v1/attempts/{last['attempt_id']}/end", json={"reason": "finished", "step": 50}
+        )
+        assert ended.json()["final_save_committed"] is False  # its newest bundle did not
     found = attempts(server, run_name)
     assert found["done"]["final_save_committed"] is True
     assert found["cut"]["final_save_committed"] is False
+    assert found["last"]["final_save_committed"] is False

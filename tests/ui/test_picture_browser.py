@@ -288,11 +288,13 @@ def test_attempt_states_are_current_on_the_page_and_over_the_api(
     assert by_pod["spot-d-4"]["state"] == "finished"
     assert by_pod["spot-d-4"]["final_save_committed"] is True  # its bundle 60' committed
     assert by_pod["spot-b-2"]["final_save_committed"] is None  # it never ended
+    assert by_pod["spot-c-3"]["final_save_committed"] is False  # preempted: as its agent said
     page = run_page(open_page, catalog)
     row = '#attempts tr[data-attempt="{}"] [data-col="{}"]'
     assert page.locator(row.format(2, "reason")).inner_text() == "replaced"
     assert page.locator(row.format(4, "reason")).inner_text() == "finished"
     assert page.locator(row.format(4, "final_save")).inner_text() == "committed"
+    assert page.locator(row.format(3, "final_save")).inner_text() == "not committed"
     lane = page.locator('svg#lineage g.lane[data-attempt="2"]')
     assert lane.get_attribute("data-ended") == "replaced"
 
