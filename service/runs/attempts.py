@@ -123,7 +123,7 @@ def end_attempt(
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
         attempt.final_save_committed = end.final_save_committed or (
-            end.reason == EndReason.FINISHED and _newest_committed(session, attempt)
+            end.reason == "finished" and _newest_committed(session, attempt)
         )
         if end.time is not None:
             _account(context.metrics, attempt, end.time)
