@@ -119,6 +119,13 @@ def steps_lost_exact(end_reason: str | None) -> bool:
     return end_reason != EndReason.LOST
 
 
+def attempt_state(end_reason: str | None, *, fenced: bool) -> str:
+    """How an attempt stands: how it ended, else "replaced" once it is fenced (a newer
+    attempt registered, or a rollback made way for one: it can save no more), else
+    "running". The sweep later marks a replaced attempt that never reported its end lost."""
+    return end_reason or ("replaced" if fenced else "running")
+
+
 def steps_lost_by_attempt(attempts: Iterable[AttemptNode]) -> dict[int, int | None]:
     """``steps_lost`` of each of a run's attempts, by attempt id."""
     ordered = sorted(attempts, key=lambda a: a.epoch)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ckpt.core.goodput import redo_seconds
@@ -121,7 +122,9 @@ def end_attempt(
         before = _steps_lost(session, attempt)
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
-        attempt.final_save_committed = end.final_save_committed
+        attempt.final_save_committed = end.final_save_committed or (
+            end.reason == "finished" and _newest_committed(session, attempt)
+        )
         if end.time is not None:
             _account(context.metrics, attempt, end.time)
         if end.step is not None:
@@ -209,6 +212,20 @@ def _check_advance(session: Session, attempt: Attempt, step: int, *, limit: int)
             f"{known}, the last this attempt reported or resumed from: report the step "
             "training has reached, at least every CKPT_MAX_STEP_ADVANCE steps"
         )
+
+
+def _newest_committed(session: Session, attempt: Attempt) -> bool:
+    """Whether the attempt's newest bundle committed: a finished attempt's final save
+    (``Checkpointer.end("finished")`` waits for the save in flight but reports no flag of
+    its own, so a finished attempt read "not committed" beside a committed bundle). A
+    preempted attempt's flag is its agent's: whether the save after the signal committed."""
+    newest = session.scalar(
+        select(Bundle.committed_at)
+        .where(Bundle.attempt_id == attempt.id)
+        .order_by(Bundle.step.desc())
+        .limit(1)
+    )
+    return newest is not None
 
 
 def _steps_lost(session: Session, attempt: Attempt) -> int | None:

@@ -168,6 +168,11 @@ class AttemptOut(BaseModel):
     final_save_committed: bool | None
     resumed_from_id: int | None
     fenced: bool
+    state: str = Field(
+        description="running, replaced (fenced before it reported an end: a newer attempt "
+        "registered, or a rollback made way for one), or how it ended: preempted, lost, "
+        "failed, finished"
+    )
     notice_at: datetime | None = Field(
         default=None, description="when the first notice of a coming preemption reached it"
     )

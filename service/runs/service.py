@@ -320,6 +320,7 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
         final_save_committed=attempt.final_save_committed,
         resumed_from_id=attempt.resumed_from_id,
         fenced=attempt.epoch != run.epoch,
+        state=lineage.attempt_state(attempt.end_reason, fenced=attempt.epoch != run.epoch),
         steps_lost=steps_lost,
         steps_lost_exact=None
         if steps_lost is None

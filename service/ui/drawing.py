@@ -1,14 +1,17 @@
-"""The run page's pictures as SVG text: the lineage across restarts, and the save figures.
+"""The run page's lineage across restarts as SVG text.
 
 Pure functions over plain data, no I/O: the catalog's rows come in as ``Lane`` and ``Mark``
 values, the picture goes out as a string. Every text that may come from a client is escaped
-here, because the page inserts the SVG as it is.
+here, because the page inserts the SVG as it is. The shapes are ``marks.py``'s (the legend
+is drawn with them), the colours ``palette.py``'s.
 
-The lineage is drawn on a step axis: one lane per attempt, from the step it resumed from to
-the last step it reported, with its bundles as marks; a resume edge from a bundle to each
-attempt that resumed from it; the steps an ending lost shaded on the lane of the attempt that
-lost them; the head marked. Bundles off the live branch (left behind by a rollback) are drawn
-as abandoned.
+The lineage is drawn on a step axis: one lane per attempt, named by its number in the run
+("attempt 3", not its fencing epoch, which a rollback also advances), its ending, pod and
+node; the lane runs from the step it resumed from to the last step it reported, with its
+bundles as marks; a resume edge from a bundle to each attempt that resumed from it; the
+steps an ending lost shaded on the lane of the attempt that lost them, from its last
+resumable point (its newest complete bundle, or where it started) to where it stopped; the
+head marked on its lane. Bundles off the live branch (left behind by a rollback) are struck.
 """
 
 from __future__ import annotations
@@ -19,31 +22,48 @@ from html import escape
 from urllib.parse import quote
 
 from service import lineage
+from service.ui import palette
+from service.ui.marks import (
+    DETAIL_FONT,
+    FONT,
+    SHOWN_STATUS,
+    bundle_mark,
+    end_marker,
+    head_marker,
+    lost_band,
+    resume_edge,
+)
 
-WIDTH = 960
-LABEL_WIDTH = 96  # the lanes' names, left of the axis
-RIGHT_MARGIN = 24
-LANE_HEIGHT = 22
-AXIS_HEIGHT = 26
-MARK_RADIUS = 4.5
-TICKS = 6
-
-# How the catalog's bundle statuses are shown.
-SHOWN_STATUS = {"deleted": "collected"}
+WIDTH = 1160  # the page's width at 1280 px, less its margins
+LABEL_WIDTH = 190  # the lanes' names, left of the axis
+RIGHT_MARGIN = 36  # room for the end markers
+END_GAP = 15  # from a lane's last step to its end marker, clear of a bundle's mark there
+LANE_HEIGHT = 44
+AXIS_HEIGHT = 30
+TICKS = 8
+DETAIL_CHARS = 28  # of a lane's pod and node, beyond which they are cut (whole in its title)
 
 
 @dataclass(frozen=True)
 class Lane:
-    """One attempt: it trained from ``start_step`` (the step it resumed from; 0 for a fresh
-    start) to ``last_step`` and ended as ``ended`` (running while it has not)."""
+    """One attempt, the ``number``-th of its run: it trained from ``start_step`` (the step it
+    resumed from; 0 for a fresh start) to ``last_step`` and ended as ``ended`` (running while
+    it has not; replaced when a newer attempt registered before it reported its end)."""
 
     attempt_id: int
-    epoch: int
+    epoch: int  # its fencing epoch
     start_step: int
     last_step: int | None
-    ended: str  # running, preempted, lost, failed, finished
+    ended: str  # running, replaced, preempted, lost, failed, finished
     resumed_from_id: int | None = None
     steps_lost: int | None = None  # what its ending cost (lineage.steps_lost)
+    number: int = 0  # 1 for the run's first attempt; 0: its epoch
+    pod: str | None = None
+    node: str | None = None
+
+    @property
+    def ordinal(self) -> int:
+        return self.number or self.epoch
 
 
 @dataclass(frozen=True)
@@ -163,10 +183,17 @@ def _axis(plan: _Layout) -> str:
     for step in range(first, plan.high + 1, every):
         x = plan.x(step)
         ticks.append(
-            f'<line class="tick" x1="{x}" y1="{AXIS_HEIGHT - 6}" x2="{x}" y2="{plan.height - 8}"/>'
-            f'<text class="tick-label" x="{x}" y="{AXIS_HEIGHT - 10}">{step}</text>'
+            f'<line class="grid" x1="{x}" y1="{AXIS_HEIGHT}" x2="{x}" y2="{plan.height - 8}" '
+            f'stroke="{palette.GRID}"/>'
+            f'<line class="tick" x1="{x}" y1="{AXIS_HEIGHT - 6}" x2="{x}" y2="{AXIS_HEIGHT}" '
+            f'stroke="{palette.AXIS}"/>'
+            f'<text class="tick-label" x="{x}" y="{AXIS_HEIGHT - 10}" font-size="{DETAIL_FONT}" '
+            f'fill="{palette.MUTED}" text-anchor="middle">{step}</text>'
         )
-    label = f'<text class="axis-label" x="4" y="{AXIS_HEIGHT - 10}">step</text>'
+    label = (
+        f'<text class="axis-label" x="4" y="{AXIS_HEIGHT - 10}" font-size="{DETAIL_FONT}" '
+        f'fill="{palette.MUTED}">step</text>'
+    )
     return f'<g class="axis">{label}{"".join(ticks)}</g>'
 
 
@@ -191,13 +218,18 @@ def _edges(picture: Picture, plan: _Layout, marks: dict[int, Mark]) -> str:
         x1, y1 = plan.x(source.step), plan.y(row)
         x2, y2 = plan.x(lane.start_step), plan.y(plan.rows[lane.attempt_id])
         middle = round((y1 + y2) / 2, 1)
+        d = f"M{x1} {y1} C{x1} {middle} {x2} {middle} {x2} {y2}"
         edges.append(
             f'<path class="resume-edge" data-from="bundle-{source.id}" '
-            f'data-to-epoch="{lane.epoch}" d="M{x1} {y1} C{x1} {middle} {x2} {middle} {x2} {y2}">'
-            f"<title>epoch {lane.epoch} resumed from bundle {source.id} "
+            f'data-to-epoch="{lane.epoch}" data-to-attempt="{lane.ordinal}" {resume_edge(d)}>'
+            f"<title>attempt {lane.ordinal} resumed from bundle {source.id} "
             f"(step {source.step})</title></path>"
         )
     return f'<g class="edges">{"".join(edges)}</g>'
+
+
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 1] + "…"
 
 
 def _lane(href: str, lane: Lane, plan: _Layout, marks: list[Mark], successor: Lane | None) -> str:
@@ -205,30 +237,64 @@ def _lane(href: str, lane: Lane, plan: _Layout, marks: list[Mark], successor: La
     y = plan.y(row)
     end_step = lane.last_step if lane.last_step is not None else lane.start_step
     x1, x2 = plan.x(lane.start_step), plan.x(end_step)
+    tail = round(x2 + END_GAP, 1)  # its end marker
     shown = escape(lane.ended)
+    where = " · ".join(part for part in (lane.pod, lane.node) if part) or "no pod reported"
+    about = (
+        f"attempt {lane.ordinal} (fencing epoch {lane.epoch}): pod {lane.pod or '—'} on node "
+        f"{lane.node or '—'}, steps {lane.start_step} to {end_step}, {lane.ended}"
+    )
+    colour = palette.ENDED.get(lane.ended, palette.MUTED)
     return (
-        f'<g class="lane" data-epoch="{lane.epoch}" data-ended="{shown}">'
-        f'<text class="lane-label" x="4" y="{y + 4}">epoch {lane.epoch}</text>'
-        f"{_lost(lane, plan, y, successor)}"
-        f'<line class="track ended-{shown}" x1="{x1}" y1="{y}" x2="{x2}" y2="{y}"/>'
-        f'<circle class="end ended-{shown}" cx="{x2}" cy="{y}" r="3">'
-        f"<title>epoch {lane.epoch}: steps {lane.start_step} to {end_step}, {shown}</title>"
-        f"</circle>{''.join(_mark(href, mark, plan.x(mark.step), y) for mark in marks)}</g>"
+        f'<g class="lane" data-epoch="{lane.epoch}" data-attempt="{lane.ordinal}" '
+        f'data-ended="{shown}"><title>{escape(about)}</title>'
+        f'<text class="lane-label" x="4" y="{y - 3}" font-size="{FONT}" font-weight="600" '
+        f'fill="{palette.INK}">attempt {lane.ordinal} · {shown}</text>'
+        f'<text class="lane-detail" x="4" y="{y + 13}" font-size="{DETAIL_FONT}" '
+        f'fill="{palette.MUTED}">{escape(_cut(where, DETAIL_CHARS))}</text>'
+        f"{_lost(lane, plan, y, successor, marks)}"
+        f'<line class="track ended-{shown}" x1="{x1}" y1="{y}" x2="{x2}" y2="{y}" '
+        f'stroke="{colour}" stroke-width="4"/>'
+        f'<line class="tail" x1="{x2}" y1="{y}" x2="{tail}" y2="{y}" '
+        f'stroke="{colour}" stroke-width="2"/>'
+        f"{end_marker(lane.ended, tail, y)}"
+        f"{''.join(_mark(href, mark, plan.x(mark.step), y) for mark in marks)}</g>"
     )
 
 
-def _lost(lane: Lane, plan: _Layout, y: float, successor: Lane | None) -> str:
-    """The steps this lane's ending lost: from where its successor resumed to its last step."""
-    if not lane.steps_lost or lane.last_step is None or successor is None:
+def lost_from(lane: Lane, marks: Sequence[Mark]) -> int | None:
+    """Where the steps ``lane``'s ending lost begin: its last resumable point (its newest
+    complete bundle up to its last step, else the step it started from), or where its
+    successor resumed when that is later; None when it lost none."""
+    if not lane.steps_lost or lane.last_step is None:
+        return None
+    last = lane.last_step
+    saved = [m.step for m in marks if m.status == "complete" and m.step <= last]
+    start = max([lane.start_step, last - lane.steps_lost, *saved])
+    return start if start < last else None
+
+
+def _lost(
+    lane: Lane, plan: _Layout, y: float, successor: Lane | None, marks: Sequence[Mark]
+) -> str:
+    """The steps this lane's ending lost, on its own lane (never before it started)."""
+    start = lost_from(lane, marks)
+    if start is None or lane.last_step is None or successor is None:
         return ""
-    x1, x2 = plan.x(lane.last_step - lane.steps_lost), plan.x(lane.last_step)
-    top = y - LANE_HEIGHT / 2 + 2
+    steps = lane.last_step - start
     bound = "" if lineage.steps_lost_exact(lane.ended) else "at least "
+    # A rollback can send the successor back before what this attempt's ending lost: the
+    # attempt's steps lost (lineage.steps_lost, as the table and the API count them) then
+    # hold those steps too; they are on the abandoned branch, not in this band.
+    earlier = (lane.steps_lost or 0) - steps
+    further = f"; its successor resumed {earlier} steps further back" if earlier > 0 else ""
     return (
-        f'<rect class="lost" data-epoch="{lane.epoch}" data-steps="{lane.steps_lost}" '
-        f'x="{x1}" y="{top}" width="{max(1.0, round(x2 - x1, 1))}" height="{LANE_HEIGHT - 4}">'
-        f"<title>{bound}{lane.steps_lost} steps lost when epoch {lane.epoch} ended "
-        f"({escape(lane.ended)}): epoch {successor.epoch} trained them again</title></rect>"
+        f'<rect class="lost" data-epoch="{lane.epoch}" data-attempt="{lane.ordinal}" '
+        f'data-steps="{steps}" data-from="{start}" data-to="{lane.last_step}" '
+        f"{lost_band(plan.x(start), plan.x(lane.last_step), y, height=LANE_HEIGHT - 16)}>"
+        f"<title>{bound}{steps} steps lost when attempt {lane.ordinal} ended "
+        f"({escape(lane.ended)}): steps {start} to {lane.last_step}, trained again by "
+        f"attempt {successor.ordinal}{further}</title></rect>"
     )
 
 
@@ -239,14 +305,12 @@ def _mark(href: str, mark: Mark, x: float, y: float) -> str:
     pinned = "true" if mark.pinned else "false"
     title = f"bundle {mark.id}, step {mark.step}: {status}{', pinned' if mark.pinned else ''}"
     title += "" if mark.live else ", on an abandoned branch"
-    ring = f'<circle class="pin" cx="{x}" cy="{y}" r="{MARK_RADIUS + 3}"/>' if mark.pinned else ""
     return (
         f'<a class="bundle" data-key="bundle-{mark.id}" data-step="{mark.step}" '
         f'data-status="{status}" data-pinned="{pinned}" data-branch="{branch}" '
         f'href="{href}{mark.id}" tabindex="0">'
-        f"<title>{title}</title>{ring}"
-        f'<circle class="mark status-{status} branch-{branch}" cx="{x}" cy="{y}" '
-        f'r="{MARK_RADIUS}"/></a>'
+        f"<title>{title}</title>"
+        f"{bundle_mark(mark.status, x, y, live=mark.live, pinned=mark.pinned)}</a>"
     )
 
 
@@ -257,15 +321,15 @@ def _other_lane(picture: Picture, plan: _Layout, marks: list[Mark]) -> str:
     y = plan.y(plan.other_row)
     href = _href_prefix(picture.run)
     drawn = "".join(_mark(href, mark, plan.x(mark.step), y) for mark in marks)
+    text = f'x="4" y="{y + 4}" font-size="{FONT}" fill="{palette.INK}"'
     if picture.hidden is None:
-        label = f'<text class="lane-label" x="4" y="{y + 4}">no attempt</text>'
+        label = f'<text class="lane-label" {text}>no attempt</text>'
         return f'<g class="lane-other">{label}{drawn}</g>'
     hidden = picture.hidden
     return (
         f'<g class="lane-summary" data-count="{hidden.lanes}">'
-        f'<text class="lane-label" x="4" y="{y + 4}">{hidden.lanes} older</text>'
-        f'<line class="track summary" x1="{plan.x(plan.low)}" y1="{y}" x2="{plan.x(plan.low)}" '
-        f'y2="{y}"/><title>{hidden.lanes} older attempts and {hidden.bundles} bundles are not '
+        f'<text class="lane-label" {text}>{hidden.lanes} older attempts</text>'
+        f"<title>{hidden.lanes} older attempts and {hidden.bundles} bundles are not "
         f"drawn</title>{drawn}</g>"
     )
 
@@ -276,78 +340,7 @@ def _head(head_id: int | None, marks: dict[int, Mark], plan: _Layout) -> str:
     if head is None or row is None:
         return ""
     x, y = plan.x(head.step), plan.y(row)
-    top = y - MARK_RADIUS - 2
     return (
-        f'<g class="head" data-key="bundle-{head.id}">'
-        f'<path d="M{x} {top} l-5 -8 h10 z"/>'
+        f'<g class="head" data-key="bundle-{head.id}">{head_marker(x, y)}'
         f"<title>head: bundle {head.id}, step {head.step}</title></g>"
     )
-
-
-@dataclass(frozen=True)
-class SavePoint:
-    """One bundle's save figures: the slowest rank's stall and persist seconds, the payload
-    it wrote per second of persist, and the new bytes all ranks uploaded."""
-
-    step: int
-    stall_seconds: float
-    persist_seconds: float
-    throughput: float  # bytes per second
-    new_bytes: int
-
-
-SERIES = (
-    ("stall", "stall s"),
-    ("persist", "persist s"),
-    ("throughput", "throughput B/s"),
-    ("new_bytes", "new bytes"),
-)
-PANEL_HEIGHT = 48
-
-
-def draw_saves(points: Sequence[SavePoint]) -> str:
-    """The save figures over the steps: four small panels, one ``polyline`` each."""
-    height = len(SERIES) * (PANEL_HEIGHT + 12)
-    ordered = sorted(points, key=lambda p: p.step)
-    low = ordered[0].step if ordered else 0
-    span = max(1, (ordered[-1].step if ordered else 1) - low)
-    inner = WIDTH - LABEL_WIDTH - RIGHT_MARGIN
-    xs = [LABEL_WIDTH + (p.step - low) / span * inner for p in ordered]
-    series = {
-        "stall": [p.stall_seconds for p in ordered],
-        "persist": [p.persist_seconds for p in ordered],
-        "throughput": [p.throughput for p in ordered],
-        "new_bytes": [float(p.new_bytes) for p in ordered],
-    }
-    panels = [
-        _panel(name, label, xs, series[name], row=row) for row, (name, label) in enumerate(SERIES)
-    ]
-    return (
-        f'<svg id="saves" xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-        f'viewBox="0 0 {WIDTH} {height}" role="img" aria-label="save figures">'
-        f"{''.join(panels)}</svg>"
-    )
-
-
-def _panel(name: str, label: str, xs: list[float], values: list[float], *, row: int) -> str:
-    top = row * (PANEL_HEIGHT + 12) + 10
-    peak = max(values, default=0.0) or 1.0
-    bottom, scale = top + PANEL_HEIGHT, PANEL_HEIGHT / peak
-    points = " ".join(
-        f"{x:.1f},{bottom - value * scale:.1f}" for x, value in zip(xs, values, strict=True)
-    )
-    return (
-        f'<g class="panel"><text class="lane-label" x="4" y="{top + 12}">{label}</text>'
-        f'<text class="peak" x="4" y="{top + 28}">max {_short(peak if values else 0.0)}</text>'
-        f'<line class="baseline" x1="{LABEL_WIDTH}" y1="{bottom}" '
-        f'x2="{WIDTH - RIGHT_MARGIN}" y2="{bottom}"/>'
-        f'<polyline class="series" data-series="{name}" points="{points}"/></g>'
-    )
-
-
-def _short(value: float) -> str:
-    """3.2k, 41M, 0.12: a figure in a few characters."""
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= size:
-            return f"{value / size:.3g}{unit}"
-    return f"{value:.3g}"

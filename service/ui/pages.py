@@ -32,12 +32,15 @@ from service.models import (
 from service.runs import repository as runs_repository
 from service.runs.service import resumable_bundle, time_spent
 from service.ui import queries
-from service.ui.drawing import draw_lineage, draw_saves
+from service.ui.drawing import WIDTH, draw_lineage
+from service.ui.marks import draw_legend
 from service.ui.queries import RunFigures, RunListing
+from service.ui.saves import draw_saves
 from service.ui.window import run_window
 
 MAX_RANKS_SHOWN = 256  # of a bundle's completeness matrix
 MAX_BLOBS_SHOWN = 500
+MAX_LAYERS_NAMED = 6  # of the layers that hold one blob
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class RunsPage:
 @dataclass(frozen=True)
 class AttemptRow:
     attempt: Attempt
+    number: int  # 1 for the run's first attempt
+    state: str  # lineage.attempt_state
     steps_lost: int | None
     goodput: float | None  # None before its agent reported time
 
@@ -66,6 +71,7 @@ class RunPage:
     listing: RunListing
     figures: RunFigures
     lineage_svg: str
+    legend_svg: str
     saves_svg: str
     attempts: list[AttemptRow]  # newest first
     hidden_lanes: int
@@ -77,6 +83,8 @@ class BlobView:
     sha256: str
     size: int
     state: str  # verified, size-checked, unverified, absent, wrong_size, wrong_hash, unknown
+    layers: tuple[str, ...] = ()  # "rank 0 weights": the first layers that hold it
+    more_layers: int = 0  # how many others hold it too (a header many layers share)
 
 
 @dataclass(frozen=True)
@@ -84,8 +92,10 @@ class BundlePage:
     bundle: Bundle
     run: Run
     epoch: int | None
+    attempt_number: int | None  # 1 for the run's first attempt
     state: str  # the run's
-    ranks: list[tuple[int, list[tuple[str, bool]]]]  # rank -> (layer, recorded)
+    ranks: list[tuple[int, list[tuple[str, int | None]]]]  # rank -> (layer, payload bytes)
+    layer_bytes: dict[str, int]  # each layer's payload over the ranks shown
     missing: str  # in words; empty when nothing is
     blobs: list[BlobView]
     num_blobs: int
@@ -123,16 +133,21 @@ def run_page(session: Session, principal: Principal, *, name: str) -> RunPage:
         listing=listing,
         figures=figures,
         lineage_svg=draw_lineage(window.picture),
+        legend_svg=draw_legend(width=WIDTH),
         saves_svg=draw_saves(window.saves),
-        attempts=[_attempt_row(a, window.steps_lost[a.id]) for a in reversed(window.attempts)],
+        attempts=[
+            _attempt_row(run, lane.number, a, window.steps_lost[a.id])
+            for lane, a in reversed(list(zip(window.picture.lanes, window.attempts, strict=True)))
+        ],
         hidden_lanes=hidden.lanes if hidden else 0,
         hidden_bundles=hidden.bundles if hidden else 0,
     )
 
 
-def _attempt_row(attempt: Attempt, steps_lost: int | None) -> AttemptRow:
+def _attempt_row(run: Run, number: int, attempt: Attempt, steps_lost: int | None) -> AttemptRow:
     spent = time_spent(attempt, steps_lost=steps_lost)
-    return AttemptRow(attempt, steps_lost, spent.goodput if spent else None)
+    state = lineage.attempt_state(attempt.end_reason, fenced=attempt.epoch != run.epoch)
+    return AttemptRow(attempt, number, state, steps_lost, spent.goodput if spent else None)
 
 
 def bundle_page(
@@ -141,9 +156,15 @@ def bundle_page(
     run = _run(session, principal, name)
     bundle = _bundle(session, run, bundle_id)
     layers = bundles_repository.layers_of(session, bundle_id=bundle.id)
-    recorded = {(row.rank, Layer(row.layer)) for row in layers}
-    sizes = {b["sha256"]: int(b["size"]) for row in layers for b in row.record.get("blobs", [])}
-    known = bundles_repository.blobs_by_sha(session, shas=list(sizes)[:MAX_BLOBS_SHOWN])
+    recorded = {(row.rank, Layer(row.layer)): int(row.record["payload_bytes"]) for row in layers}
+    sizes: dict[str, int] = {}
+    holders: dict[str, dict[str, None]] = {}  # sha -> the layers that hold it, in order
+    for row in layers:
+        for blob in row.record.get("blobs", []):
+            sizes[blob["sha256"]] = int(blob["size"])
+            holders.setdefault(blob["sha256"], {})[f"rank {row.rank} {row.layer}"] = None
+    shown = list(sizes.items())[:MAX_BLOBS_SHOWN]
+    known = bundles_repository.blobs_by_sha(session, shas=[sha for sha, _ in shown])
     attempt = session.get(Attempt, bundle.attempt_id) if bundle.attempt_id else None
     resumable = resumable_bundle(session, run)
     listing = queries.run_listing(session, run=run)
@@ -151,23 +172,38 @@ def bundle_page(
     command, note = resume_command(
         run.name, bundle, resumable_id=resumable.id if resumable else None, server_url=server_url
     )
-    missing = completeness.missing_layers(world_size=bundle.world_size, recorded=recorded)
+    missing = completeness.missing_layers(world_size=bundle.world_size, recorded=set(recorded))
+    ranks = _matrix(bundle.world_size, recorded)
     return BundlePage(
         bundle=bundle,
         run=run,
         epoch=attempt.epoch if attempt else None,
+        attempt_number=_attempt_number(session, attempt) if attempt else None,
         state=listing.state,
-        ranks=_matrix(bundle.world_size, recorded),
+        ranks=ranks,
+        layer_bytes={
+            layer.value: sum(cells[i][1] or 0 for _, cells in ranks)
+            for i, layer in enumerate(RESTORE_ORDER)
+        },
         missing=missing_words(missing),
-        blobs=[
-            _blob(sha, size, known.get(sha)) for sha, size in list(sizes.items())[:MAX_BLOBS_SHOWN]
-        ],
+        blobs=[_blob(sha, size, known.get(sha), layers=list(holders[sha])) for sha, size in shown],
         num_blobs=len(sizes),
         saves=saves,
         new_run_command=new_run_command(run.name, bundle, server_url=server_url),
         resume_command=command,
         resume_note=note,
     )
+
+
+def _attempt_number(session: Session, attempt: Attempt) -> int:
+    """The attempt's number in its run: how many attempts came up to it (an index range of
+    ``attempt (run_id, epoch)``)."""
+    count = session.scalar(
+        select(func.count())
+        .select_from(Attempt)
+        .where(Attempt.run_id == attempt.run_id, Attempt.epoch <= attempt.epoch)
+    )
+    return int(count or 0)
 
 
 def missing_words(missing: list[completeness.Part], *, ranks: int = 8) -> str:
@@ -184,16 +220,19 @@ def missing_words(missing: list[completeness.Part], *, ranks: int = 8) -> str:
 
 
 def _matrix(
-    world_size: int, recorded: set[tuple[int, Layer]]
-) -> list[tuple[int, list[tuple[str, bool]]]]:
+    world_size: int, recorded: dict[tuple[int, Layer], int]
+) -> list[tuple[int, list[tuple[str, int | None]]]]:
+    """Each rank's layers (the first ``MAX_RANKS_SHOWN`` ranks): its payload bytes, None
+    while unrecorded."""
     return [
-        (rank, [(layer.value, (rank, layer) in recorded) for layer in RESTORE_ORDER])
+        (rank, [(layer.value, recorded.get((rank, layer))) for layer in RESTORE_ORDER])
         for rank in range(min(world_size, MAX_RANKS_SHOWN))
     ]
 
 
-def _blob(sha256: str, size: int, blob: Blob | None) -> BlobView:
-    """A blob and what the catalog knows of its copy in the store."""
+def _blob(sha256: str, size: int, blob: Blob | None, *, layers: list[str]) -> BlobView:
+    """A blob, the first ``MAX_LAYERS_NAMED`` of the layers that hold it, and what the
+    catalog knows of its copy in the store."""
     if blob is None:
         state = "unknown"
     elif blob.damaged_at is not None:
@@ -202,7 +241,8 @@ def _blob(sha256: str, size: int, blob: Blob | None) -> BlobView:
         state = "verified"  # its bytes hashed to its name
     else:
         state = "size-checked" if trusted(blob) else "unverified"
-    return BlobView(sha256=sha256, size=size, state=state)
+    named = tuple(layers[:MAX_LAYERS_NAMED])
+    return BlobView(sha256, size, state, layers=named, more_layers=len(layers) - len(named))
 
 
 def new_run_command(run: str, bundle: Bundle, *, server_url: str) -> str | None:

@@ -19,7 +19,8 @@ from sqlalchemy.orm import Session
 from service import lineage
 from service.models import Attempt, Bundle, Run, Save
 from service.runs.service import attempt_node
-from service.ui.drawing import Hidden, Lane, Mark, Picture, SavePoint
+from service.ui.drawing import Hidden, Lane, Mark, Picture
+from service.ui.saves import SavePoint
 
 MAX_LANES = 60  # a run up to this size is drawn whole
 MAX_BUNDLES = 600
@@ -124,17 +125,21 @@ def _assemble(
     live = set(lineage.ancestry(run.head_bundle_id, rows))
     step_of = {bundle_id: row.step for bundle_id, row in rows.items()}.get
     lost = lineage.steps_lost_by_attempt(attempt_node(a, step_of) for a in attempts)
+    older = hidden.lanes if hidden else 0  # a window holds the newest attempts
     lanes = [
         Lane(
             attempt_id=a.id,
             epoch=a.epoch,
             start_step=(step_of(a.resumed_from_id) or 0) if a.resumed_from_id else 0,
             last_step=a.last_step,
-            ended=a.end_reason or "running",
+            ended=lineage.attempt_state(a.end_reason, fenced=a.epoch != run.epoch),
             resumed_from_id=a.resumed_from_id,
             steps_lost=lost[a.id],
+            number=older + i + 1,
+            pod=a.pod,
+            node=a.node,
         )
-        for a in attempts
+        for i, a in enumerate(attempts)
     ]
     marks = [
         Mark(

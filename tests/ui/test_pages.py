@@ -20,7 +20,7 @@ from service.runs.activity import refresh_activity
 from service.scrub.service import scrub
 from service.ui import window
 from service.ui.drawing import Hidden, Lane, Mark, Picture, draw_lineage
-from service.ui.pages import missing_words
+from service.ui.pages import _blob, missing_words
 from tests.service.conftest import (  # noqa: F401 (fixtures server needs)
     MakeServer,
     Server,
@@ -294,7 +294,9 @@ def test_the_pages_show_the_lineage_the_api_reports(server: Server, run_name: st
         assert cell(runs, run_name, "attempts") == "5"
         assert cell(runs, run_name, "preemptions") == "3"
         page = browser.get(f"/ui/runs/{run_name}").text
-    lanes = re.findall(r'<g class="lane" data-epoch="(\d+)" data-ended="(\w+)"', page)
+    lanes = re.findall(
+        r'<g class="lane" data-epoch="(\d+)" data-attempt="\d+" data-ended="(\w+)"', page
+    )
     assert [epoch for epoch, _ in lanes] == ["1", "2", "3", "4", "6"]
     assert [ended for _, ended in lanes][:3] == ["preempted"] * 3
     ids = played.ids
@@ -333,9 +335,9 @@ def test_steps_lost_to_a_lost_attempt_show_as_at_least(server: Server, run_name:
         page = browser.get(f"/ui/runs/{run_name}").text
     summary = re.search(r'<dd data-col="steps_lost">(.*?)</dd>', page)
     assert summary and summary.group(1) == "≥ 14"
-    row = page.split('<tr data-epoch="1">', 1)[1].split("</tr>", 1)[0]
+    row = page.split('<tr data-epoch="1" ', 1)[1].split("</tr>", 1)[0]
     assert re.search(r'data-col="steps_lost" class="num">≥ 14</td>', row)
-    assert "<title>at least 14 steps lost when epoch 1 ended (lost)" in page
+    assert "<title>at least 14 steps lost when attempt 1 ended (lost)" in page
 
 
 def test_the_bundle_page(server: Server, run_name: str) -> None:
@@ -397,7 +399,9 @@ def picture(**overrides: Any) -> Picture:
 
 def test_one_lane_per_attempt_with_its_bundles() -> None:
     svg = draw_lineage(picture())
-    assert re.findall(r'<g class="lane" data-epoch="(\d)" data-ended="(\w+)">', svg) == [
+    assert re.findall(
+        r'<g class="lane" data-epoch="(\d)" data-attempt="\d" data-ended="(\w+)">', svg
+    ) == [
         ("1", "preempted"),
         ("2", "running"),
     ]
@@ -413,7 +417,7 @@ def test_fork_and_resume_edge_and_lost_steps() -> None:
     assert re.search(r'data-key="bundle-12"[^>]*data-branch="abandoned"', svg)
     assert re.search(r'data-key="bundle-11"[^>]*data-branch="live"', svg)
     assert '<path class="resume-edge" data-from="bundle-11" data-to-epoch="2"' in svg
-    assert '<rect class="lost" data-epoch="1" data-steps="7"' in svg
+    assert '<rect class="lost" data-epoch="1" data-attempt="1" data-steps="7"' in svg
     assert 'class="lost" data-epoch="2"' not in svg  # still running: nothing lost yet
 
 
@@ -449,7 +453,7 @@ def test_the_run_page_shows_the_notice_an_attempt_read(server: Server, run_name:
         page = browser.get(f"/ui/runs/{run_name}").text
 
     def notice_cell(epoch: int) -> str:
-        row = page.split(f'<tr data-epoch="{epoch}">', 1)[1].split("</tr>", 1)[0]
+        row = page.split(f'<tr data-epoch="{epoch}" ', 1)[1].split("</tr>", 1)[0]
         found = re.search(r'data-col="notice">(.*?)</td>', row, re.S)
         assert found, row
         return found.group(1)
@@ -477,7 +481,7 @@ def test_the_run_page_shows_each_attempts_goodput_and_chosen_interval(
         page = browser.get(f"/ui/runs/{run_name}").text
 
     def cell(epoch: int, column: str) -> str:
-        row = page.split(f'<tr data-epoch="{epoch}">', 1)[1].split("</tr>", 1)[0]
+        row = page.split(f'<tr data-epoch="{epoch}" ', 1)[1].split("</tr>", 1)[0]
         found = re.search(rf'data-col="{column}"[^>]*>(.*?)</td>', row, re.S)
         assert found, row
         return found.group(1)
@@ -485,3 +489,10 @@ def test_the_run_page_shows_each_attempts_goodput_and_chosen_interval(
     assert (cell(1, "goodput"), cell(1, "interval")) == ("0.0%", "12.5 min")
     assert 'title="expected loss 1.5 min per hour"' in page
     assert (cell(2, "goodput"), cell(2, "interval")) == ("—", "—")
+
+
+def test_a_blob_many_layers_share_names_the_first_and_counts_the_rest() -> None:
+    held = [f"rank {rank} weights" for rank in range(8)]
+    blob = _blob("a" * 64, 10, None, layers=held)
+    assert blob.layers == tuple(held[:6]) and blob.more_layers == 2
+    assert blob.state == "unknown"
