@@ -19,6 +19,7 @@ import httpx
 from agent.attempt.notices import Notice
 from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures, Versions
 from ckpt.core.errors import ControlPlaneError, FencedError
+from ckpt.core.redact import redact
 from ckpt.core.tokens import bearer
 
 log = logging.getLogger("ckpt.client")
@@ -83,6 +84,7 @@ class ControlPlane:
         headers = bearer(token)
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport)
+        self._secrets = (token,)  # cut out of every message (httpx quotes a refused header)
         self.timeout = timeout  # one try
         self.retry_seconds = retry_seconds  # one call, every try and wait included
         self._failing_since: float | None = None  # since when calls fail to get an answer
@@ -284,7 +286,9 @@ class ControlPlane:
             try:
                 response = self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as err:
-                problem: str = f"cannot reach the control plane at {self.url}: {err}"
+                problem = redact(
+                    f"cannot reach the control plane at {self.url}: {err}", secrets=self._secrets
+                )
                 status, pause = None, delay
             else:
                 if response.status_code not in _RETRY_STATUSES:
@@ -292,7 +296,8 @@ class ControlPlane:
                 if response.status_code < 400:
                     result: dict[str, Any] = response.json()
                     return result
-                problem, status = _problem(response), response.status_code
+                problem = redact(_problem(response), secrets=self._secrets)
+                status = response.status_code
                 if status not in (*_RETRY_STATUSES, 429):
                     raise _error(response, f"{method} {path}: {problem}")
                 pause = _retry_after(response) if status == 429 else delay

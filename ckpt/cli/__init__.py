@@ -12,7 +12,8 @@ image (no FastAPI) and in a control-plane image (no torch) alike.
     ckpt runs | resumable | bundle ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
 
 One module per job: ``server`` (server, migrate, gc, catalog), ``tokens``, ``verify``,
-``ask`` (the REST queries); ``config`` and ``text`` are what they share.
+``ask`` (the REST queries); ``config`` and ``text`` are what they share; ``failure`` says
+in a line or two what to fix when a command fails (the traceback with ``--debug``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ckpt.cli import ask, server, tokens, verify
+from ckpt.cli import ask, failure, server, tokens, verify
 from ckpt.cli.config import Handler
-from ckpt.core.version import __version__
+from ckpt.core.version import __version__, install_hint
 
 # The demo and the launcher parse their own arguments (their own --help).
 PASSTHROUGH = {
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'ckpt COMMAND --help' for what a command does, reads and prints.",
     )
     parser.add_argument("--version", action="version", version=f"ckpt {__version__}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help=f"print the traceback of an error too ({failure.DEBUG_VARIABLE}=1 does the same)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, summary in PASSTHROUGH.items():
         commands.add_parser(name, add_help=False, help=summary)
@@ -58,17 +64,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    command = f"ckpt {args.command}"
     if args.command in PASSTHROUGH:
-        return _passthrough(parser, args.command, rest)
+        return failure.run(
+            command, lambda: _passthrough(parser, args.command, rest), debug=args.debug
+        )
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handler: Handler = args.handler
     try:
-        return handler(args)
+        return failure.run(command, lambda: handler(args), debug=args.debug)
     except ImportError as err:
-        parser.exit(
-            2, f"ckpt {args.command} needs the server extra: pip install 'ckpt[server]' ({err})\n"
-        )
+        parser.exit(2, f"{command} needs the server extra: {install_hint('server')} ({err})\n")
 
 
 def _passthrough(parser: argparse.ArgumentParser, command: str, rest: list[str]) -> int:
@@ -79,7 +86,7 @@ def _passthrough(parser: argparse.ArgumentParser, command: str, rest: list[str])
     try:
         from agent.demo.run import main as demo
     except ImportError as err:
-        parser.exit(2, f"ckpt demo needs the training extra: pip install 'ckpt[agent]' ({err})\n")
+        parser.exit(2, f"ckpt demo needs the training extra: {install_hint('agent')} ({err})\n")
     return demo(rest)
 
 

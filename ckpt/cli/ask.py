@@ -147,7 +147,10 @@ def get(
     try:
         response = httpx.get(url + path, params=params, headers=headers, timeout=30)  # type: ignore[arg-type]
     except httpx.HTTPError as err:
-        raise SystemExit(f"ckpt: cannot reach the control plane at {url}: {err}") from None
+        from ckpt.core.redact import redact
+
+        problem = redact(err, secrets=[secret])
+        raise SystemExit(f"ckpt: cannot reach the control plane at {url}: {problem}") from None
     try:
         body: dict[str, Any] = response.json()
     except ValueError:

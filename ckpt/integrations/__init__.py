@@ -1,6 +1,6 @@
 """Integrations with the training frameworks people use instead of their own loop.
 
 Each module needs its framework, an optional extra: ``ckpt.integrations.huggingface``
-(``pip install 'ckpt[hf]'``), ``ckpt.integrations.lightning`` (``pip install
-'ckpt[lightning]'``). This package imports neither, so ``import ckpt`` never does.
+(``pip install 'ckpt-spot[hf]'``), ``ckpt.integrations.lightning`` (``pip install
+'ckpt-spot[lightning]'``). This package imports neither, so ``import ckpt`` never does.
 """

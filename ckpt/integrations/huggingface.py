@@ -1,4 +1,4 @@
-"""Bit-exact checkpoints for the Hugging Face ``Trainer`` (``pip install 'ckpt[hf]'``).
+"""Bit-exact checkpoints for the Hugging Face ``Trainer`` (``pip install 'ckpt-spot[hf]'``).
 
     from ckpt.integrations.huggingface import CheckpointCallback, CheckpointTrainer
 

@@ -28,7 +28,7 @@ def test_the_wheel_holds_the_packages_their_files_and_the_ckpt_command(tmp_path:
         check=True,
         capture_output=True,
     )
-    (wheel,) = tmp_path.glob("ckpt-*.whl")
+    (wheel,) = tmp_path.glob("ckpt_spot-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {

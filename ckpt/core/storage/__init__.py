@@ -11,6 +11,7 @@ from urllib.request import url2pathname
 
 from ckpt.core.storage.base import ObjectStore, StoredObject
 from ckpt.core.storage.directory import DirectoryStore
+from ckpt.core.version import install_hint
 
 __all__ = ["DirectoryStore", "ObjectStore", "StoredObject", "open_store"]
 
@@ -35,7 +36,7 @@ def open_store(url: str) -> ObjectStore:
         try:
             from ckpt.core.storage.s3 import S3ObjectStore
         except ImportError as err:
-            raise ValueError(f"{url}: S3 needs boto3: pip install 'ckpt[s3]' ({err})") from err
+            raise ValueError(f"{url}: S3 needs boto3: {install_hint('s3')} ({err})") from err
         return S3ObjectStore(url, endpoint_url=os.environ.get("CKPT_S3_ENDPOINT") or None)
     raise ValueError(
         f"unsupported store URL {url!r}: use a directory path, file:///path or s3://bucket/prefix"
