@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -92,10 +94,41 @@ def alembic_config(url: str) -> Any:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the schema to ``revision`` (under a lock on Postgres: replicas may race)."""
+    """Bring the schema to ``revision`` (under a lock on Postgres: replicas may race).
+
+    Alembic's own lines (one a migration, each with its whole docstring) are not logged:
+    one line says what changed, none when nothing did."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    quiet = _MigrationLines()
+    migration_log = logging.getLogger("alembic.runtime.migration")
+    migration_log.addFilter(quiet)
+    try:
+        command.upgrade(alembic_config(url), revision)
+    finally:
+        migration_log.removeFilter(quiet)
+    if quiet.applied:
+        log.info("catalog schema upgraded to %s (%d migrations)", quiet.target, quiet.applied)
+
+
+log = logging.getLogger("ckpt.service")
+_RUNNING = re.compile(r"Running upgrade \S* ?-> (\S+?),")
+
+
+class _MigrationLines(logging.Filter):
+    """Drops Alembic's informational lines, counting the migrations they announce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applied = 0
+        self.target = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = _RUNNING.search(record.getMessage())
+        if found:
+            self.applied += 1
+            self.target = found.group(1)
+        return record.levelno > logging.INFO
 
 
 def schema_revision(engine: Engine) -> tuple[str | None, str]:

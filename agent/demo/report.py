@@ -8,7 +8,6 @@ import os
 import shlex
 import shutil
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import torch
 
 from agent.demo.compare import differences
 from agent.demo.server import dashboard_url
-from ckpt.core.goodput import TimeSpent
+from agent.summary import format_bytes
 
 DRILL_RECORD = "sigkill-drill.json"  # what the SIGKILL drill did, written by the trainer
 
@@ -42,12 +41,12 @@ def report(
     )
     for attempt in attempts:
         print(format_attempt(attempt))
-    print(f"goodput:                      {format_goodput(attempts)}")
+    print(f"goodput (time):               {format_goodput(facts.get('goodput'))}")
     print(f"SIGKILL drill:                {format_drill(drill, step=kill_upload_at)}")
     print(f"bundles saved:                {len(facts['bundles'])}")
     print(
-        f"bytes:                        {stored} in bundles, {uploaded} uploaded "
-        f"({stored - uploaded} deduplicated)"
+        f"bytes:                        {format_bytes(stored)} in bundles, "
+        f"{format_bytes(uploaded)} uploaded ({format_bytes(stored - uploaded)} deduplicated)"
     )
     print(f"micro-batches compared:       {_compared(finals)} (the last attempt that trained)")
     found = _differences(references, finals)
@@ -112,20 +111,22 @@ def format_attempt(attempt: dict[str, Any]) -> str:
     return f"{line}, steps lost: {'?' if lost is None else f'{bound}{lost}'}"
 
 
-def format_goodput(attempts: list[dict[str, Any]]) -> str:
-    """The run's goodput over the attempts that reported their time (``ckpt.core.goodput``)."""
-    parts = [field.name for field in fields(TimeSpent)]
-    total = sum(
-        (TimeSpent(**{part: a["time"][part] for part in parts}) for a in attempts if a.get("time")),
-        TimeSpent(),
-    )
-    if total.goodput is None:
+def format_goodput(answer: dict[str, Any] | None) -> str:
+    """The run's goodput (time) as ``GET /v1/runs/{run}/goodput`` answers it (the definition
+    is ``ckpt.core.goodput``'s), to the dashboard's precision (``percent``)."""
+    spent = (answer or {}).get("time") or {}
+    if spent.get("goodput") is None:
         return "unknown (no attempt reported its time)"
     return (
-        f"{total.goodput:.0%} of {total.wall_seconds:.1f} s trained and kept (restarts "
-        f"{total.restart_seconds:.1f} s, saves {total.stall_seconds:.1f} s, lost steps "
-        f"redone {total.redo_seconds:.1f} s)"
+        f"{percent(spent['goodput'])} of {spent['wall_seconds']:.1f} s trained and kept "
+        f"(restarts {spent['restart_seconds']:.1f} s, saves {spent['stall_seconds']:.1f} s, "
+        f"lost steps redone {spent['redo_seconds']:.1f} s)"
     )
+
+
+def percent(share: float) -> str:
+    """``46.2%``: a share as the demo and the dashboard print it."""
+    return f"{share:.1%}"
 
 
 def format_drill(record: dict[str, Any] | None, *, step: int) -> str:

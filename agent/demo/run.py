@@ -353,7 +353,10 @@ def _facts(url: str, token: str | None, run: str) -> dict[str, Any]:
             for bundle in complete
             for save in client.get(f"/v1/bundles/{bundle['id']}").raise_for_status().json()["saves"]
         ]
-    return {"lineage": lineage, "bundles": complete, "saves": saves}
+        # The run's goodput as the control plane computes it: the figure the dashboard and
+        # GET /v1/runs/{run}/goodput show, not a sum made here.
+        goodput = client.get(f"/v1/runs/{run}/goodput").raise_for_status().json()
+    return {"lineage": lineage, "bundles": complete, "saves": saves, "goodput": goodput}
 
 
 def _reference(plan: Plan, work: Path) -> None:

@@ -163,6 +163,7 @@ def _server(args: argparse.Namespace) -> int:
     from service.health import steady_collector
 
     current = settings(host=args.host, port=args.port, workers=args.workers)
+    port_free(current.host, current.port)  # before the catalog, the store or a token is made
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     app = create_app(current)
@@ -194,6 +195,23 @@ def _server(args: argparse.Namespace) -> int:
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
     )
     return 0
+
+
+def port_free(host: str, port: int) -> None:
+    """Exit with what to change when ``host:port`` cannot be listened on (another process
+    holds it), rather than after the catalog and the store were set up."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise SystemExit(
+                f"ckpt server: cannot listen on {host}:{port}: {err.strerror}; stop what holds "
+                "it or choose another port (--port or CKPT_PORT)"
+            ) from None
 
 
 def _worker(_: argparse.Namespace) -> int:

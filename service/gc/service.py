@@ -65,6 +65,11 @@ class GcReport(BaseModel):
     deleted_bytes: int = 0
     young_blobs: int = 0  # unreferenced but inside their grace period
 
+    @property
+    def did_something(self) -> bool:
+        """Whether the pass failed, deleted (or, dry, would delete) anything."""
+        return bool(self.failed_bundles or self.deleted_bundles or self.deleted_blobs)
+
 
 Progress = Callable[[], None]  # called after each batch of deletions, outside its transaction
 
@@ -102,7 +107,10 @@ def collect(
     if not dry_run:
         m.gc_deleted_blobs.inc(report.deleted_blobs)
         m.gc_deleted_bytes.inc(report.deleted_bytes)
-    log.info("gc: %s", report.model_dump_json())
+    # An idle pass (every ten minutes by default) is not worth a line in the log.
+    log.log(
+        logging.INFO if report.did_something else logging.DEBUG, "gc: %s", report.model_dump_json()
+    )
     return report
 
 

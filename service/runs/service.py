@@ -5,14 +5,12 @@ shared with ``attempts.py`` (the attempts of a run) and the bundles service."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from sqlalchemy.engine import Row
 from sqlalchemy.orm import Session, load_only
 
 from ckpt.core.contract import Manifest
-from ckpt.core.goodput import TimeSpent, redo_seconds
 from service import lineage
 from service.auth.service import Principal, require_admin, require_read, require_write
 from service.context import Context
@@ -21,6 +19,7 @@ from service.lineage import AttemptNode, Node
 from service.models import Attempt, Bundle, BundleStatus, Role, Rollback, Run
 from service.runs import repository
 from service.runs.figures import RunFigures, run_figures
+from service.runs.goodput import run_time_spent, time_out, time_spent
 from service.runs.schemas import (
     AttemptOut,
     BundleRef,
@@ -37,7 +36,6 @@ from service.runs.schemas import (
     RunOut,
     RunPage,
     RunPatch,
-    TimeOut,
 )
 from service.sql import Lock
 
@@ -130,13 +128,10 @@ def run_goodput(context: Context, principal: Principal, *, name: str) -> RunGood
     require_read(principal, name)
     with context.transaction() as session:
         run = _run(session, name)
-        attempts = repository.run_attempts(session, run_id=run.id)
-        lost = lineage.steps_lost_by_attempt(repository.attempt_nodes(session, run_id=run.id))
-        spent = [time_spent(a, steps_lost=lost[a.id]) for a in attempts]
-    reported = [item for item in spent if item is not None]
-    out = time_out(sum(reported, TimeSpent()))
+        reported, spent = run_time_spent(session, run)
+    out = time_out(spent)
     assert out is not None
-    return RunGoodput(run=run.name, attempts=len(reported), time=out)
+    return RunGoodput(run=run.name, attempts=reported, time=out)
 
 
 def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage:
@@ -332,27 +327,6 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
         waste_seconds_per_hour=attempt.waste_seconds_per_hour,
         time=time_out(time_spent(attempt, steps_lost=steps_lost)),
     )
-
-
-def time_spent(attempt: Attempt, *, steps_lost: int | None) -> TimeSpent | None:
-    """The attempt's time as its agent reported it; None before any report."""
-    if attempt.train_seconds is None:
-        return None
-    train = attempt.train_seconds
-    return TimeSpent(
-        restart_seconds=attempt.restart_seconds or 0.0,
-        stall_seconds=attempt.stall_seconds or 0.0,
-        train_seconds=train,
-        redo_seconds=redo_seconds(
-            train_seconds=train, steps_trained=attempt.steps_trained or 0, steps_lost=steps_lost
-        ),
-    )
-
-
-def time_out(spent: TimeSpent | None) -> TimeOut | None:
-    if spent is None:
-        return None
-    return TimeOut(**asdict(spent), wall_seconds=spent.wall_seconds, goodput=spent.goodput)
 
 
 def attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> AttemptNode:

@@ -30,7 +30,8 @@ from service.models import (
     Save,
 )
 from service.runs import repository as runs_repository
-from service.runs.service import resumable_bundle, time_spent
+from service.runs.goodput import run_time_spent, time_spent
+from service.runs.service import resumable_bundle
 from service.ui import queries
 from service.ui.drawing import WIDTH, draw_lineage
 from service.ui.marks import draw_legend
@@ -74,6 +75,7 @@ class RunPage:
     legend_svg: str
     saves_svg: str
     attempts: list[AttemptRow]  # newest first
+    goodput: float | None  # goodput (time) over every attempt, as GET .../goodput says
     hidden_lanes: int
     hidden_bundles: int
 
@@ -129,6 +131,7 @@ def run_page(session: Session, principal: Principal, *, name: str) -> RunPage:
     window = run_window(session, run, attempts=listing.attempts, bundles=listing.bundles)
     figures = queries.figures(session, listings=[listing], with_bytes=False)[run.id]
     hidden = window.picture.hidden
+    _, spent = run_time_spent(session, run)
     return RunPage(
         listing=listing,
         figures=figures,
@@ -139,6 +142,7 @@ def run_page(session: Session, principal: Principal, *, name: str) -> RunPage:
             _attempt_row(run, lane.number, a, window.steps_lost[a.id])
             for lane, a in reversed(list(zip(window.picture.lanes, window.attempts, strict=True)))
         ],
+        goodput=spent.goodput,
         hidden_lanes=hidden.lanes if hidden else 0,
         hidden_bundles=hidden.bundles if hidden else 0,
     )

@@ -71,8 +71,9 @@ class RunFigures:
     payload_bytes: int = 0  # what they would have uploaded without deduplication
 
     @property
-    def goodput(self) -> float | None:
-        """Steps kept over steps computed; None before any step."""
+    def steps_kept(self) -> float | None:
+        """Steps kept over steps computed; None before any step. Not goodput (time), which
+        weighs time (``service.runs.goodput``)."""
         if self.steps_computed <= 0:
             return None
         return max(0, self.steps_computed - self.steps_lost) / self.steps_computed

@@ -76,7 +76,9 @@ def test_ckpt_demo_reports_what_happened_on_a_new_and_on_a_reused_store(tmp_path
     assert "/v1/runs/demo-" in first and "/resumable" in first
     assert list((tmp_path / ".ckpt" / "store" / "runs").iterdir())
     assert sigkills_reported(first) == sigkills_in_the_launch_log(first, tmp_path) == 1
-    assert re.search(r"^goodput: +\d+% of [\d.]+ s trained and kept \(restarts ", first, re.M)
+    assert re.search(
+        r"^goodput \(time\): +\d+\.\d% of [\d.]+ s trained and kept \(restarts ", first, re.M
+    )
     assert re.search(
         r"^SIGKILL drill: +fired while the bundle of step \d+ was uploading$", first, re.M
     )

@@ -198,7 +198,7 @@ def test_the_runs_page_shows_each_runs_figures_filters_and_pages(
     assert cell(page, row, "head_step") == "20"
     assert cell(page, row, "resumable_step") == "20"
     assert cell(page, row, "steps_lost") == total_lost(catalog.run)
-    for column in ("resumable_age", "goodput", "bytes_stored", "dedup_saving"):
+    for column in ("resumable_age", "steps_kept", "bytes_stored", "dedup_saving"):
         assert cell(page, row, column), column
     assert page.locator(f'{row} [data-col="name"] a').get_attribute("href") == f"/ui/runs/{RUN}"
 
@@ -322,6 +322,7 @@ def test_the_run_page_tables_the_attempts_the_save_figures_and_the_summary(
     assert cell(page, summary, "resumable_step") == "20"
     assert cell(page, summary, "steps_lost") == total_lost(catalog.run)
     assert cell(page, summary, "goodput")
+    assert cell(page, summary, "steps_kept")
     seen.assert_clean()
 
 

@@ -117,16 +117,34 @@ def test_format_attempt(row: dict[str, Any], line: str) -> None:
     assert format_attempt(row) == line
 
 
-def test_format_goodput_sums_the_attempts_that_reported() -> None:
-    def timed(restart: float, stall: float, train: float, redo: float) -> dict[str, Any]:
-        parts = {"restart": restart, "stall": stall, "train": train, "redo": redo}
-        return {"time": {f"{part}_seconds": value for part, value in parts.items()}}
-
-    rows = [timed(4, 1, 15, 5), timed(2, 1, 17, 0), {"time": None}]
-    assert format_goodput(rows) == (
-        "68% of 40.0 s trained and kept (restarts 6.0 s, saves 2.0 s, lost steps redone 5.0 s)"
+def test_format_goodput_prints_the_control_planes_answer() -> None:
+    parts = {"restart": 6.0, "stall": 2.0, "train": 32.0, "redo": 5.0, "wall": 40.0}
+    spent: dict[str, Any] = {f"{part}_seconds": value for part, value in parts.items()}
+    answer = {"run": "r", "attempts": 2, "time": spent | {"goodput": 27 / 40}}
+    assert format_goodput(answer) == (
+        "67.5% of 40.0 s trained and kept (restarts 6.0 s, saves 2.0 s, lost steps redone 5.0 s)"
     )
-    assert format_goodput([{"time": None}]).startswith("unknown")
+    assert format_goodput({"time": spent | {"goodput": None}}).startswith("unknown")
+    assert format_goodput(None).startswith("unknown")
+
+
+def test_the_report_prints_bytes_in_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saves = [
+        {"payload_bytes": 3_400_000, "new_bytes": 1_200_000},
+        {"payload_bytes": 600_000, "new_bytes": 0},
+    ]
+    facts: dict[str, Any] = {"lineage": {"attempts": []}, "bundles": [], "saves": saves}
+    torch.save(rank_state(1), tmp_path / "reference.pt")
+    torch.save(rank_state(1), tmp_path / "final.pt")
+    assert report(tmp_path, facts, sigterms=0, kill_upload_at=5) == 0
+    out = capsys.readouterr().out
+    assert (
+        "bytes:                        4.00 MB in bundles, 1.20 MB uploaded (2.80 MB deduplicated)\n"
+        in out
+    )
+    assert "goodput (time):               unknown" in out
 
 
 def test_format_drill_says_what_happened() -> None:
