@@ -100,19 +100,26 @@ def upgrade(url: str, revision: str = "head") -> None:
     one line says what changed, none when nothing did."""
     from alembic import command
 
-    quiet = _MigrationLines()
-    migration_log = logging.getLogger("alembic.runtime.migration")
-    migration_log.addFilter(quiet)
-    try:
+    with _alembic_quiet() as quiet:
         command.upgrade(alembic_config(url), revision)
-    finally:
-        migration_log.removeFilter(quiet)
     if quiet.applied:
         log.info("catalog schema upgraded to %s (%d migrations)", quiet.target, quiet.applied)
 
 
 log = logging.getLogger("ckpt.service")
 _RUNNING = re.compile(r"Running upgrade \S* ?-> (\S+?),")
+
+
+@contextmanager
+def _alembic_quiet() -> Iterator[_MigrationLines]:
+    """Alembic's informational lines dropped meanwhile, and counted."""
+    quiet = _MigrationLines()
+    migration_log = logging.getLogger("alembic.runtime.migration")
+    migration_log.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        migration_log.removeFilter(quiet)
 
 
 class _MigrationLines(logging.Filter):
@@ -138,7 +145,7 @@ def schema_revision(engine: Engine) -> tuple[str | None, str]:
 
     head = ScriptDirectory.from_config(alembic_config(str(engine.url))).get_current_head()
     assert head is not None
-    with engine.connect() as connection:
+    with engine.connect() as connection, _alembic_quiet():
         current = MigrationContext.configure(connection).get_current_revision()
     return current, head
 

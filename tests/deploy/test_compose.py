@@ -250,3 +250,26 @@ def started(command: list[str], env: dict[str, str], log: Path) -> Iterator[str]
     url = f"http://{env['CKPT_HOST']}:{env['CKPT_PORT']}"
     with serving(command, env=env, cwd=log.parent, log=log, url=url):
         yield url
+
+
+def test_every_image_is_pinned_to_a_tag() -> None:
+    """An untagged image (``minio/minio``) is whatever ``latest`` is on the day it is pulled."""
+    images = [spec["image"] for spec in SERVICES.values() if "image" in spec]
+    overlay = (ROOT / "deploy" / "overlays" / "dev" / "minio.yaml").read_text()
+    images += re.findall(r"^\s*image:\s*(\S+)", overlay, re.M)
+    assert len(images) >= 6
+    untagged = [image for image in images if ":" not in image.rsplit("/", 1)[-1]]
+    assert untagged == []
+    assert not [image for image in images if image.endswith(":latest")]
+
+
+def test_the_header_restarts_the_trainer_as_the_docs_do() -> None:
+    """The compose file's header and the docs give one command for "preempt and resume"."""
+    command = "docker compose kill -s SIGTERM trainer && docker compose start trainer"
+    header = "\n".join(
+        line for line in (ROOT / "docker-compose.yml").read_text().splitlines() if line[:1] == "#"
+    )
+    assert command in header
+    assert "compose up trainer" not in header
+    for doc in ("docs/deploying.md", "deploy/README.md"):
+        assert command in (ROOT / doc).read_text(), doc
