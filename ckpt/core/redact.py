@@ -25,6 +25,7 @@ MIN_SECRET = 8
 _TOKEN = re.compile(r"\bckpt_(?=[A-Za-z0-9_-]{0,200}[A-Z0-9-])[A-Za-z0-9_-]{20,}")
 # After Bearer: up to the end of the value, a quote or a backslash (repr's \n of b'...').
 _BEARER = re.compile(r"(Bearer\s+)([^\s'\"\\,;]+)", re.IGNORECASE)
+_BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\s]+")
 _COOKIE = re.compile(r"\b(ckpt_session|ckpt_csrf)=([^;\s'\"\\,]+)")
 
 
@@ -36,14 +37,23 @@ def shown(secret: str) -> str:
     return secret[:keep] + ELLIPSIS
 
 
+def _forms(secret: str | None) -> set[str]:
+    """How ``secret`` may appear in a message: as it is, escaped as ``repr`` writes it
+    (httpx quotes a refused header as bytes), and each of the pieces a line break or other
+    control character splits it into; only those long enough to look for."""
+    value = (secret or "").strip()
+    forms = {value, value.encode("unicode_escape").decode("ascii")}
+    forms |= {piece.strip() for piece in _BREAKS.split(value)}
+    return {form for form in forms if len(form) >= MIN_SECRET}
+
+
 def redact(text: object, *, secrets: Iterable[str | None] = ()) -> str:
     """``str(text)`` with every secret in it cut to ``shown(secret)``: the ``secrets`` named
     (surrounding whitespace ignored), then every token, ``Bearer`` value and session cookie
     the patterns find."""
     rendered = str(text)
-    for secret in secrets:
-        value = (secret or "").strip()
-        if len(value) >= MIN_SECRET and value in rendered:
+    for value in sorted({form for s in secrets for form in _forms(s)}, key=len, reverse=True):
+        if value in rendered:
             rendered = rendered.replace(value, shown(value))
     rendered = _BEARER.sub(lambda found: found.group(1) + shown(found.group(2)), rendered)
     rendered = _COOKIE.sub(lambda found: f"{found.group(1)}={shown(found.group(2))}", rendered)
