@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.server_process import TRAINER_HANG_GUARD
+
 RunTrainer = Callable[..., dict[str, Any]]
 
 
@@ -36,7 +38,7 @@ def run_trainer(
         command,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=TRAINER_HANG_GUARD,
         check=False,
         env={**os.environ, **(env or {})},
     )

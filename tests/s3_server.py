@@ -18,7 +18,7 @@ import boto3
 import httpx
 from botocore.config import Config
 
-from tests.server_process import free_port
+from tests.server_process import ANSWER_HANG_GUARD, STARTUP_HANG_GUARD, free_port
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -58,10 +58,10 @@ def moto_server(log: Path) -> Iterator[S3Server]:
         )
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + STARTUP_HANG_GUARD  # it answers, or exits, or hangs
         while True:
             try:
-                httpx.get(endpoint, timeout=1)
+                httpx.get(endpoint, timeout=ANSWER_HANG_GUARD)
                 break
             except httpx.HTTPError:
                 if time.monotonic() > deadline or process.poll() is not None:

@@ -16,6 +16,13 @@ from pathlib import Path
 import httpx
 
 TOKEN = "e2e-admin-token-0123456789"
+# A server starting on a busy machine (imports, migrations) is waited for while it lives: it
+# either answers ready or exits. This only stops one that hangs; a slow answer is an answer.
+STARTUP_HANG_GUARD = 300.0
+ANSWER_HANG_GUARD = 60.0
+# A training process a test runs to its end: minutes on a busy machine, so this only stops a
+# hung one (pytest's own timeout, 900 s, is the last resort).
+TRAINER_HANG_GUARD = 600.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ def _wait_ready(
 ) -> None:
     """Until the server answers ready, and, when it has an admin ``token``, accepts it: a
     server on a port another one took first must not pass for ours."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + STARTUP_HANG_GUARD
     while time.monotonic() < deadline:
         if process.poll() is not None:
             text = log.read_text()
@@ -119,16 +126,18 @@ def _wait_ready(
                 raise PortTakenError(f"{what}: {url} was taken")
             raise RuntimeError(f"{what} exited {process.returncode}:\n{text}")
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200 and (
-                token is None or _accepts(url, token)
-            ):
+            ready = httpx.get(f"{url}/readyz", timeout=ANSWER_HANG_GUARD)
+            if ready.status_code == 200 and (token is None or _accepts(url, token)):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise RuntimeError(f"{what} did not become ready in 60 s:\n{log.read_text()}")
+    raise RuntimeError(
+        f"{what} did not become ready in {STARTUP_HANG_GUARD:.0f} s:\n{log.read_text()}"
+    )
 
 
 def _accepts(url: str, token: str) -> bool:
     headers = {"Authorization": f"Bearer {token}"}
-    return httpx.get(f"{url}/v1/runs", headers=headers, timeout=2).status_code == 200
+    answer = httpx.get(f"{url}/v1/runs", headers=headers, timeout=ANSWER_HANG_GUARD)
+    return answer.status_code == 200

@@ -134,6 +134,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # Preemption drills: a signal at a known position, a long step, a slow or dying upload.
     add("--signal-at", type=parse_position, default=None, help="STEP[.MICRO]: SIGTERM itself")
     add("--pause-at", type=parse_pause, default=None, help="STEP[.MICRO]:SECONDS: a long step")
+    add(
+        "--durable-at",
+        type=parse_position,
+        default=None,
+        help="STEP[.MICRO]: a step that lasts until the saves before it are durable",
+    )
     add("--slow-store", type=float, default=0.0, help="seconds each blob upload takes extra")
     add(
         "--kill-during-upload",
@@ -294,6 +300,16 @@ def save_and_maybe_die(job: Job, *, kill: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def long_step(job: Job, args: argparse.Namespace, position: tuple[int, int]) -> None:
+    """The drills' long steps: one of a given length, or one that lasts until the saves
+    before it are durable (however slow the machine)."""
+    if args.pause_at is not None and position == args.pause_at[0]:
+        print(f"a long step at {position[0]}.{position[1]}", flush=True)
+        time.sleep(args.pause_at[1])
+    if position == args.durable_at:
+        job.ckpt.wait()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     job = build(args)
@@ -315,9 +331,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if drill:
                 job.ckpt.wait()  # the save before durable: the drill kills this bundle's upload
                 job.store.kill_in_upload_of = counters.step
-            if args.pause_at is not None and position == args.pause_at[0]:
-                print(f"a long step at {position[0]}.{position[1]}", flush=True)
-                time.sleep(args.pause_at[1])
+            long_step(job, args, position)
             saved = job.ckpt.maybe_save()
             if drill:
                 finish_drill(job.store, saved)

@@ -23,7 +23,7 @@ import pytest
 import yaml  # type: ignore[import-untyped, unused-ignore]
 
 from tests.deploy.common import PORT, ROOT, UID, unknown
-from tests.server_process import serving
+from tests.server_process import TRAINER_HANG_GUARD, serving
 
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
@@ -229,7 +229,7 @@ def test_the_compose_configuration_trains_through_the_control_plane(
                 cwd=tmp_path,
                 capture_output=True,
                 text=True,
-                timeout=180,
+                timeout=TRAINER_HANG_GUARD,
                 check=False,
             )
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
