@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from ckpt.core.errors import ControlPlaneError, FencedError
 log = logging.getLogger("ckpt.client")
 
 _RETRY_STATUSES = (500, 502, 503, 504)
+BLOBS_PER_QUERY = 10_000  # the most blobs the control plane takes in one query
 
 
 @dataclass(frozen=True)
@@ -169,13 +171,18 @@ class ControlPlane:
         return bundle_id
 
     def missing_blobs(self, blobs: list[BlobRef], *, patience: float | None = None) -> set[str]:
-        body = self._call(
-            "POST",
-            "/v1/blobs/missing",
-            {"blobs": [b.model_dump(mode="json") for b in blobs]},
-            patience=patience,
-        )
-        return set(body["missing"])
+        """Which of ``blobs`` the store lacks: one request per ``BLOBS_PER_QUERY`` blobs."""
+        missing: set[str] = set()
+        for start in range(0, len(blobs), BLOBS_PER_QUERY):
+            page = blobs[start : start + BLOBS_PER_QUERY]
+            body = self._call(
+                "POST",
+                "/v1/blobs/missing",
+                {"blobs": [b.model_dump(mode="json") for b in page]},
+                patience=patience,
+            )
+            missing.update(body["missing"])
+        return missing
 
     def record_layer(
         self,
@@ -191,6 +198,26 @@ class ControlPlane:
             "PUT",
             f"/v1/bundles/{bundle_id}/layers/{rank}/{layer}",
             {"epoch": epoch, "record": record.model_dump(mode="json")},
+            patience=patience,
+        )
+
+    def record_layers(
+        self,
+        bundle_id: int,
+        *,
+        rank: int,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None = None,
+    ) -> None:
+        """Record every layer of one rank in one request (all or none)."""
+        if not records:
+            return
+        layers = {layer.value: record.model_dump(mode="json") for layer, record in records.items()}
+        self._call(
+            "POST",
+            f"/v1/bundles/{bundle_id}/layers/{rank}",
+            {"epoch": epoch, "layers": layers},
             patience=patience,
         )
 

@@ -225,15 +225,13 @@ class ControlPlaneCatalog:
                         "save is not kept"
                     )
                 save.records = upload(self.held(force, patience=patience))
-            for layer, record in save.records.items():
-                self.control.record_layer(
-                    save.bundle_id,
-                    rank=0,
-                    layer=layer,
-                    epoch=attempt.epoch,
-                    record=record,
-                    patience=patience,
-                )
+            self.control.record_layers(
+                save.bundle_id,
+                rank=0,
+                epoch=attempt.epoch,
+                records=save.records,
+                patience=patience,
+            )
             outcome = self.commit_once(save.bundle_id, attempt, patience=patience)
             if isinstance(outcome, Manifest):
                 self._verified.update(

@@ -191,15 +191,13 @@ class JobCommit:
     ) -> bool:
         """Record this rank's layers; False when the control plane did not answer in time."""
         try:
-            for layer, record in records.items():
-                self._control.record_layer(
-                    bundle_id,
-                    rank=self._ranks.rank,
-                    layer=layer,
-                    epoch=attempt.epoch,
-                    record=record,
-                    patience=ANSWER_SECONDS,
-                )
+            self._control.record_layers(
+                bundle_id,
+                rank=self._ranks.rank,
+                epoch=attempt.epoch,
+                records=records,
+                patience=ANSWER_SECONDS,
+            )
         except ControlPlaneError as err:
             if not no_answer(err):
                 raise
@@ -259,10 +257,9 @@ class JobCommit:
         if late.bundle_id is None:
             late.bundle_id = self._open_bundle(attempt, late.position, patience=None)
         for rank in sorted(late.in_store - late.done):
-            for layer, record in self._layers_of(rank, late).items():
-                self._control.record_layer(
-                    late.bundle_id, rank=rank, layer=layer, epoch=attempt.epoch, record=record
-                )
+            self._control.record_layers(
+                late.bundle_id, rank=rank, epoch=attempt.epoch, records=self._layers_of(rank, late)
+            )
             late.done.add(rank)
         outcome = self._catalog.commit_once(late.bundle_id, attempt)
         if isinstance(outcome, Manifest):

@@ -33,7 +33,8 @@ from agent.save.upload import (
     WriteStats,
     blobs_alike,
     durable_together,
-    upload_layer,
+    hash_layer,
+    store_layers,
 )
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
@@ -332,19 +333,18 @@ class Persister:
             stats.payload_bytes = 0
             share = self._share()
             with durable_together(self._store):
-                records = {
-                    layer: upload_layer(
-                        self._store,
+                hashed = {
+                    layer: hash_layer(
                         state,
                         blob_bytes=self._blob_bytes,
-                        stats=stats,
-                        held=held,
                         hashes=hashes,
                         share=share if layer in self._replicated else None,
-                        progress=progress.advance,
                     )
                     for layer, state in states.items()
                 }
+                records = store_layers(
+                    self._store, hashed, stats=stats, held=held, progress=progress.advance
+                )
                 staged.release()  # written: training may step while the disk flushes
             return records
 

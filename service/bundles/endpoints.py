@@ -17,8 +17,10 @@ from service.bundles.schemas import (
     Commit,
     Committed,
     LayerPut,
+    LayersPut,
     Quarantine,
     RecordedLayer,
+    RecordedLayers,
     SaveOut,
     Unquarantine,
 )
@@ -69,6 +71,23 @@ def record_layer(
     return service.record_layer(
         context, principal, bundle_id=bundle, rank=rank, layer=layer, put=put
     )
+
+
+@router.post(
+    "/bundles/{bundle}/layers/{rank}",
+    responses=responses(*WRITE, FencedError, ConflictError),
+)
+def record_layers(
+    *,
+    bundle: IdPath,
+    rank: RankPath,
+    put: LayersPut,
+    principal: PrincipalDep,
+    context: ContextDep,
+) -> RecordedLayers:
+    """Record every layer of one rank in one request: all or none (idempotent)."""
+    recorded = service.record_layers(context, principal, bundle_id=bundle, rank=rank, put=put)
+    return RecordedLayers(recorded=recorded)
 
 
 @router.put("/bundles/{bundle}/saves/{rank}", responses=responses(*WRITE))

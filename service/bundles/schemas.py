@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckpt.core.contract import SHA256_HEX, BlobRef, LayerRecord, Manifest, Versions
+from ckpt.core.contract import SHA256_HEX, BlobRef, Layer, LayerRecord, Manifest, Versions
 from service.completeness import Part
 from service.names import MAX_ID, Id, Reason, Step
 
@@ -34,6 +34,14 @@ class BundleOpen(_Request):
 class LayerPut(_Request):
     epoch: Epoch
     record: LayerRecord
+
+
+class LayersPut(_Request):
+    epoch: Epoch
+    layers: Annotated[
+        dict[Layer, LayerRecord],
+        Field(min_length=1, description="every layer of the rank to record, by name"),
+    ]
 
 
 class Commit(_Request):
@@ -83,6 +91,10 @@ class BundlePatch(_Request):
 class RecordedLayer(Part):
     payload_bytes: int
     num_blobs: int
+
+
+class RecordedLayers(BaseModel):
+    recorded: list[RecordedLayer]  # the layers of the request, in its order
 
 
 class SaveOut(BaseModel):
