@@ -29,6 +29,7 @@ from agent.catalog.client import (
     IncompleteCommitError,
     IntactBlobError,
     Registration,
+    UnansweredError,
     no_answer,
 )
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
@@ -225,6 +226,8 @@ class ControlPlaneCatalog:
                         "save is not kept"
                     )
                 save.records = upload(self.held(force, patience=patience))
+            if patience is not None and self.control.unreachable:
+                raise UnansweredError("the control plane stopped answering during the save")
             self.control.record_layers(
                 save.bundle_id,
                 rank=0,

@@ -189,7 +189,10 @@ class JobCommit:
     def _record(
         self, bundle_id: int, attempt: Registration, records: Mapping[Layer, LayerRecord]
     ) -> bool:
-        """Record this rank's layers; False when the control plane did not answer in time."""
+        """Record this rank's layers; False when the control plane did not answer in time, or
+        stopped answering during the save."""
+        if self._control.unreachable:
+            return False
         try:
             self._control.record_layers(
                 bundle_id,
@@ -208,6 +211,8 @@ class JobCommit:
         self, bundle_id: int, attempt: Registration
     ) -> Manifest | frozenset[str] | None:
         """Rank 0's commit: the manifest, the blobs found missing, or None (no answer)."""
+        if self._control.unreachable:
+            return None
         try:
             return self._catalog.commit_once(bundle_id, attempt, patience=ANSWER_SECONDS)
         except ControlPlaneError as err:
