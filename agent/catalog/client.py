@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,17 +211,20 @@ class ControlPlane:
         epoch: int,
         records: Mapping[Layer, LayerRecord],
         patience: float | None = None,
+        saves: Sequence[tuple[int, SaveFigures]] = (),
     ) -> None:
-        """Record every layer of one rank in one request (all or none)."""
+        """Record every layer of one rank in one request (all or none), with the figures of
+        this rank's earlier ``saves`` (bundle id, figures) when there are some."""
         if not records:
             return
         layers = {layer.value: record.model_dump(mode="json") for layer, record in records.items()}
-        self._call(
-            "POST",
-            f"/v1/bundles/{bundle_id}/layers/{rank}",
-            {"epoch": epoch, "layers": layers},
-            patience=patience,
-        )
+        body: dict[str, Any] = {"epoch": epoch, "layers": layers}
+        if saves:
+            body["saves"] = [
+                {"bundle": bundle, "figures": figures.model_dump(mode="json")}
+                for bundle, figures in saves
+            ]
+        self._call("POST", f"/v1/bundles/{bundle_id}/layers/{rank}", body, patience=patience)
 
     def commit(self, bundle_id: int, *, epoch: int, patience: float | None = None) -> Manifest:
         body = self._call(
@@ -229,8 +232,11 @@ class ControlPlane:
         )
         return Manifest.model_validate(body["bundle"]["manifest"])
 
-    def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:
-        self._call("PUT", f"/v1/bundles/{bundle_id}/saves/{rank}", figures.model_dump(mode="json"))
+    def report_save(
+        self, bundle_id: int, *, rank: int, figures: SaveFigures, patience: float | None = None
+    ) -> None:
+        path = f"/v1/bundles/{bundle_id}/saves/{rank}"
+        self._call("PUT", path, figures.model_dump(mode="json"), patience=patience)
 
     def quarantine(self, bundle_id: int, *, reason: str, epoch: int | None, blob: str) -> None:
         """Report ``blob`` of the bundle damaged: the control plane reads it back and

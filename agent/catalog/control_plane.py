@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.attempt.interval import ESTIMATE_PATIENCE
@@ -32,6 +32,7 @@ from agent.catalog.client import (
     UnansweredError,
     no_answer,
 )
+from agent.catalog.figures import PendingFigures
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
@@ -83,6 +84,7 @@ class ControlPlaneCatalog:
         self._closed = threading.Event()  # deferred commits stop waiting once set
         self._lock = threading.Lock()
         self._waiting: set[Position] = set()  # saves whose commits are deferred, not ended
+        self._figures = PendingFigures()  # this rank's, for its next layer record
         self._job = JobCommit(self, closed=self._closed)
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
@@ -228,12 +230,8 @@ class ControlPlaneCatalog:
                 save.records = upload(self.held(force, patience=patience))
             if patience is not None and self.control.unreachable:
                 raise UnansweredError("the control plane stopped answering during the save")
-            self.control.record_layers(
-                save.bundle_id,
-                rank=0,
-                epoch=attempt.epoch,
-                records=save.records,
-                patience=patience,
+            self.record(
+                save.bundle_id, epoch=attempt.epoch, records=save.records, patience=patience
             )
             outcome = self.commit_once(save.bundle_id, attempt, patience=patience)
             if isinstance(outcome, Manifest):
@@ -300,9 +298,45 @@ class ControlPlaneCatalog:
 
         return held
 
+    def record(
+        self,
+        bundle_id: int,
+        *,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None,
+    ) -> None:
+        """Record this rank's layers, and with them the figures of its saves not yet sent."""
+        saves = self._figures.take()
+        try:
+            self.control.record_layers(
+                bundle_id,
+                rank=self.ranks.rank,
+                epoch=epoch,
+                records=records,
+                patience=patience,
+                saves=saves,
+            )
+        except BaseException:
+            self._figures.put_back(saves)
+            raise
+
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
+        """Keep the figures for this rank's next layer record (or ``close``)."""
         if bundle_id is not None:
-            self.control.report_save(bundle_id, rank=rank, figures=figures)
+            self._figures.keep(bundle_id, figures)
+
+    def _send_figures(self) -> None:
+        """Send the figures no record took, unless the control plane does not answer."""
+        for bundle_id, figures in self._figures.take():
+            if self.control.unreachable:
+                return
+            try:
+                self.control.report_save(
+                    bundle_id, rank=self.ranks.rank, figures=figures, patience=ANSWER_SECONDS
+                )
+            except ControlPlaneError as err:
+                log.warning("run %s: could not report a save's figures: %s", self.run, err)
 
     def end(
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
@@ -334,6 +368,7 @@ class ControlPlaneCatalog:
         self.attempt.time = figures
 
     def close(self) -> None:
+        self._send_figures()
         self._closed.set()
         self.attempt.stop()
         self.control.close()

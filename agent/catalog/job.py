@@ -58,6 +58,15 @@ class JobCatalog(Protocol):
 
     def other_store(self, problem: str) -> ControlPlaneError: ...
 
+    def record(
+        self,
+        bundle_id: int,
+        *,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None,
+    ) -> None: ...
+
     def why_defer(self) -> str | None: ...
 
     def deferred(self, position: Position, finish: Callable[[], Manifest]) -> Deferred: ...
@@ -194,12 +203,8 @@ class JobCommit:
         if self._control.unreachable:
             return False
         try:
-            self._control.record_layers(
-                bundle_id,
-                rank=self._ranks.rank,
-                epoch=attempt.epoch,
-                records=records,
-                patience=ANSWER_SECONDS,
+            self._catalog.record(
+                bundle_id, epoch=attempt.epoch, records=records, patience=ANSWER_SECONDS
             )
         except ControlPlaneError as err:
             if not no_answer(err):

@@ -85,8 +85,16 @@ def record_layers(
     principal: PrincipalDep,
     context: ContextDep,
 ) -> RecordedLayers:
-    """Record every layer of one rank in one request: all or none (idempotent)."""
+    """Record every layer of one rank in one request: all or none (idempotent); with the
+    figures of the rank's earlier saves, if sent."""
     recorded = service.record_layers(context, principal, bundle_id=bundle, rank=rank, put=put)
+    for save in put.saves:
+        try:
+            service.report_save(
+                context, principal, bundle_id=save.bundle, rank=rank, figures=save.figures
+            )
+        except (ForbiddenError, NotFoundError, InvalidRequestError):
+            continue  # a save's figures only: the layers are recorded
     return RecordedLayers(recorded=recorded)
 
 

@@ -96,3 +96,34 @@ def test_a_fenced_epoch_a_bad_rank_or_body_and_another_runs_token_are_refused(
         missing = record_all(client, bundle_id + 1000, 0, attempt["epoch"], layers)
         assert missing.status_code == 404
         assert recorded(client, bundle_id) == []
+
+
+def test_a_record_carries_the_figures_of_earlier_saves(server: Server, run_name: str) -> None:
+    figures = {"stall_seconds": 0.5, "persist_seconds": 2.0, "payload_bytes": 64, "new_bytes": 8}
+    with server.client() as client:
+        attempt = register(client, run_name)
+        first = open_bundle(client, run_name, attempt, step=5).json()["id"]
+        assert record_all(client, first, 0, attempt["epoch"], body(records(server))).is_success
+        assert commit(client, first, attempt["epoch"]).status_code == 200
+        second = open_bundle(client, run_name, attempt, step=6).json()["id"]
+        layers = body(records(server))
+        too_many = [{"bundle": first, "figures": figures}] * 17
+        refused = client.post(
+            f"/v1/bundles/{second}/layers/0",
+            json={"epoch": attempt["epoch"], "layers": layers, "saves": too_many},
+        )
+        assert refused.status_code == 422, refused.text
+        assert recorded(client, second) == []
+        saves = [
+            {"bundle": first, "figures": figures},
+            {"bundle": first + 1000, "figures": figures},
+        ]
+        answer = client.post(
+            f"/v1/bundles/{second}/layers/0",
+            json={"epoch": attempt["epoch"], "layers": layers, "saves": saves},
+        )
+        assert answer.status_code == 200, answer.text  # the missing bundle's figures left out
+        shown = client.get(f"/v1/bundles/{first}").json()["saves"]
+        assert [{k: s[k] for k in figures} for s in shown] == [figures]
+        assert shown[0]["rank"] == 0
+        assert len(recorded(client, second)) == len(layers)
