@@ -32,6 +32,7 @@ from agent.catalog.client import (
     UnansweredError,
     no_answer,
 )
+from agent.catalog.estimate import Estimate
 from agent.catalog.figures import PendingFigures
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
 from agent.catalog.manifests import versions
@@ -85,6 +86,11 @@ class ControlPlaneCatalog:
         self._lock = threading.Lock()
         self._waiting: set[Position] = set()  # saves whose commits are deferred, not ended
         self._figures = PendingFigures()  # this rank's, for its next layer record
+        self._estimate = Estimate(
+            lambda: control.preemption_rate(run, patience=control.retry_seconds),
+            first_wait=ESTIMATE_PATIENCE,
+            what=f"run {run}",
+        )
         self._job = JobCommit(self, closed=self._closed)
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
@@ -359,7 +365,7 @@ class ControlPlaneCatalog:
         self.attempt.notice(notice, step=step)
 
     def preemption_rate(self) -> float | None:
-        return self.control.preemption_rate(self.run, patience=ESTIMATE_PATIENCE)
+        return self._estimate.latest()  # asked in the background: training never waits on it
 
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         self.attempt.interval = (seconds, waste_seconds_per_hour)
