@@ -4,9 +4,14 @@ its own for them; those left when the checkpointer closes are sent on their own.
 
 from __future__ import annotations
 
+import logging
 import threading
 
+from agent.catalog.client import ControlPlane
 from ckpt.core.contract import SaveFigures
+from ckpt.core.errors import ControlPlaneError
+
+log = logging.getLogger("ckpt")
 
 # The most saves' figures kept unsent (a long outage): the oldest are dropped beyond.
 MAX_PENDING = 16
@@ -34,3 +39,14 @@ class PendingFigures:
         """Figures a record did not deliver, before any kept since."""
         with self._lock:
             self._pending = [*taken, *self._pending][-MAX_PENDING:]
+
+    def send(self, control: ControlPlane, *, rank: int, patience: float) -> None:
+        """Send the figures no record took (at close), unless the control plane does not
+        answer: each call waits ``patience`` at most."""
+        for bundle_id, figures in self.take():
+            if control.unreachable:
+                return
+            try:
+                control.report_save(bundle_id, rank=rank, figures=figures, patience=patience)
+            except ControlPlaneError as err:
+                log.warning("could not report the figures of bundle %d: %s", bundle_id, err)

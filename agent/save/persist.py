@@ -33,8 +33,7 @@ from agent.save.upload import (
     WriteStats,
     blobs_alike,
     durable_together,
-    hash_layer,
-    store_layers,
+    upload_layer,
 )
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
@@ -333,18 +332,19 @@ class Persister:
             stats.payload_bytes = 0
             share = self._share()
             with durable_together(self._store):
-                hashed = {
-                    layer: hash_layer(
+                records = {
+                    layer: upload_layer(
+                        self._store,
                         state,
                         blob_bytes=self._blob_bytes,
+                        stats=stats,
+                        held=held,
                         hashes=hashes,
                         share=share if layer in self._replicated else None,
+                        progress=progress.advance,
                     )
                     for layer, state in states.items()
                 }
-                records = store_layers(
-                    self._store, hashed, stats=stats, held=held, progress=progress.advance
-                )
                 staged.release()  # written: training may step while the disk flushes
             return records
 

@@ -3,9 +3,8 @@ ones the store lacks.
 
 A blob is stored under its SHA-256 (``keys.blob_key``), so a blob the store already holds
 is not uploaded again; ``HeldBlobs`` says which those are (the store itself, store-only, or
-the control plane), asked once a save for every blob of every layer (one request to the
-control plane, however many layers and tensors). Hashing, then writing, run as one task per
-blob on the I/O threads.
+the control plane). Hashing and writing run as one task per blob on the I/O threads, so
+CPU and I/O overlap.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass, field
 from agent.format import payload
 from agent.format.chunking import GROUP_BYTES, plan_blobs
 from agent.state.capture import LayerState
-from ckpt.core.contract import BlobRef, Layer, LayerRecord
+from ckpt.core.contract import BlobRef, LayerRecord
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
 
@@ -111,44 +110,25 @@ class Share:
             self.loads[owner] += sizes[index]
         return owners
 
-    def mine(self, blobs: list[BlobRef]) -> list[bool]:
-        """Whether this rank stores each blob of a replicated layer: its share of the blobs
-        every rank holds alike, and every blob the ranks hold differently."""
-        shared = [i for i, alike in enumerate(self.alike([b.sha256 for b in blobs])) if alike]
-        owners = [self.rank] * len(blobs)
-        for index, owner in zip(shared, self.owners([blobs[i].size for i in shared]), strict=True):
-            owners[index] = owner
-        return [owner == self.rank for owner in owners]
 
-
-@dataclass
-class HashedLayer:
-    """One layer laid out and hashed, its blobs not yet stored."""
-
-    plan: payload.PayloadLayout
-    ranges: list[tuple[int, int]]
-    blobs: list[BlobRef]
-    mine: list[bool]  # whether this rank stores each blob (a replicated layer: its share)
-
-    def record(self) -> LayerRecord:
-        return LayerRecord(
-            payload_bytes=self.plan.size,
-            header_bytes=len(self.plan.header),
-            blobs=tuple(self.blobs),
-            tensors=self.plan.index,
-        )
-
-
-def hash_layer(
+def upload_layer(
+    store: ObjectStore,
     state: LayerState,
     *,
     blob_bytes: int,
+    stats: WriteStats,
+    held: HeldBlobs,
     hashes: BlobHashes | None = None,
     share: Share | None = None,
-) -> HashedLayer:
-    """Lay out one payload and hash its blobs (on the I/O threads). ``hashes`` carries the
-    previous save's blob hashes over; ``share`` splits a replicated layer's blobs among the
-    ranks."""
+    progress: Callable[[int], None] = lambda nbytes: None,
+) -> LayerRecord:
+    """Lay out one payload, hash its blobs and put those the store does not hold intact.
+
+    ``held`` answers which of the new blobs the store already holds intact: the store
+    itself (``store_held``) or the control plane (``/v1/blobs/missing``). ``hashes`` carries
+    the previous save's blob hashes over; ``share`` splits a replicated layer's blobs among
+    the ranks; ``progress`` is told the size of each blob done.
+    """
     plan = payload.layout(state.skeleton, state.tensors)
     ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
     hashes = hashes if hashes is not None else BlobHashes()
@@ -163,59 +143,30 @@ def hash_layer(
         hashes.remember(sources, sha)
         return BlobRef(sha256=sha, size=span[1] - span[0])
 
-    blobs = parallel(digest, ranges)
-    mine = [True] * len(blobs) if share is None else share.mine(blobs)
-    return HashedLayer(plan=plan, ranges=ranges, blobs=blobs, mine=mine)
-
-
-def store_layers(
-    store: ObjectStore,
-    layers: Mapping[Layer, HashedLayer],
-    *,
-    stats: WriteStats,
-    held: HeldBlobs,
-    progress: Callable[[int], None] = lambda nbytes: None,
-) -> dict[Layer, LayerRecord]:
-    """Put the blobs of hashed layers that the store does not hold intact, and return the
-    layers' records. ``held`` is asked once for every blob of the save (the store itself,
-    ``store_held``, or the control plane, ``/v1/blobs/missing``: one request a save, however
-    many layers and blobs); ``progress`` is told the size of each blob done."""
-    wanted: dict[str, BlobRef] = {}
-    for hashed in layers.values():
-        for blob, mine in zip(hashed.blobs, hashed.mine, strict=True):
-            if mine:
-                wanted.setdefault(blob.sha256, blob)
-    holding = held(list(wanted.values())) if wanted else set()
-    tasks = [
-        (hashed, blob, span, mine)
-        for hashed in layers.values()
-        for blob, span, mine in zip(hashed.blobs, hashed.ranges, hashed.mine, strict=True)
-    ]
-
-    def put(task: tuple[HashedLayer, BlobRef, tuple[int, int], bool]) -> None:
-        hashed, blob, span, mine = task
-        if mine and stats.claim(blob.sha256) and blob.sha256 not in holding:
-            store.put(keys.blob_key(blob.sha256), hashed.plan.pieces(*span))
+    def store_blob(blob: BlobRef, span: tuple[int, int]) -> None:
+        if stats.claim(blob.sha256) and not held([blob]):
+            store.put(keys.blob_key(blob.sha256), plan.pieces(*span))
             stats.stored(blob.size)
         progress(blob.size)
 
-    parallel(put, tasks)
-    stats.payload_bytes += sum(hashed.plan.size for hashed in layers.values())
-    return {layer: hashed.record() for layer, hashed in layers.items()}
+    if share is None:
+        # One task per blob, from hash to stored, so that hashing (CPU) and writing (I/O)
+        # overlap across the threads instead of running as two phases.
+        def persist(span: tuple[int, int]) -> BlobRef:
+            blob = digest(span)
+            store_blob(blob, span)
+            return blob
 
-
-def upload_layer(
-    store: ObjectStore,
-    state: LayerState,
-    *,
-    blob_bytes: int,
-    stats: WriteStats,
-    held: HeldBlobs,
-    hashes: BlobHashes | None = None,
-) -> LayerRecord:
-    """Lay out one payload, hash its blobs and put those the store does not hold intact."""
-    hashed = hash_layer(state, blob_bytes=blob_bytes, hashes=hashes)
-    return store_layers(store, {Layer.WEIGHTS: hashed}, stats=stats, held=held)[Layer.WEIGHTS]
+        blobs = parallel(persist, ranges)
+    else:
+        blobs = _shared(share, ranges, digest=digest, store_blob=store_blob, progress=progress)
+    stats.payload_bytes += plan.size
+    return LayerRecord(
+        payload_bytes=plan.size,
+        header_bytes=len(plan.header),
+        blobs=tuple(blobs),
+        tensors=plan.index,
+    )
 
 
 def durable_together(store: ObjectStore) -> contextlib.AbstractContextManager[object]:
@@ -232,3 +183,25 @@ def blobs_alike(hashes: Sequence[Sequence[str]]) -> list[bool]:
     if any(len(other) != len(first) for other in hashes):
         return [False] * len(first)
     return [all(other[i] == sha for other in hashes) for i, sha in enumerate(first)]
+
+
+def _shared(
+    share: Share,
+    ranges: list[tuple[int, int]],
+    *,
+    digest: Callable[[tuple[int, int]], BlobRef],
+    store_blob: Callable[[BlobRef, tuple[int, int]], None],
+    progress: Callable[[int], None],
+) -> list[BlobRef]:
+    """Hash every blob; store this rank's share (every blob, if the ranks disagree)."""
+    blobs = parallel(digest, ranges)
+    shared = [i for i, alike in enumerate(share.alike([b.sha256 for b in blobs])) if alike]
+    owners = [share.rank] * len(blobs)  # a blob the ranks hold differently: each its own
+    for index, owner in zip(shared, share.owners([blobs[i].size for i in shared]), strict=True):
+        owners[index] = owner
+    for blob, span, owner in zip(blobs, ranges, owners, strict=True):
+        if owner == share.rank:
+            store_blob(blob, span)
+        else:
+            progress(blob.size)
+    return blobs
