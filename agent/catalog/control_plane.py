@@ -321,7 +321,7 @@ class ControlPlaneCatalog:
     def _remember(self, manifest: Manifest | None) -> Manifest | None:
         """The bundle whose blobs the next save asks about (resumed from, or committed)."""
         if manifest is not None:
-            self._before = blobs_of(manifest)
+            self._before = blobs_of(manifest, rank=self.ranks.rank)
         return manifest
 
     def _committed(self, outcome: Manifest | Deferred) -> Manifest | Deferred:

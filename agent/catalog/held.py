@@ -16,13 +16,12 @@ from ckpt.core.contract import BlobRef, Manifest
 from ckpt.core.errors import CkptError
 
 
-def blobs_of(manifest: Manifest) -> dict[str, BlobRef]:
-    """Every blob of a bundle, by SHA-256."""
+def blobs_of(manifest: Manifest, *, rank: int) -> dict[str, BlobRef]:
+    """The blobs of ``rank``'s layers in a bundle (of every rank's, when it has none of that
+    rank: saved at another world size), by SHA-256."""
+    ranks = [r for r in manifest.ranks if r.rank == rank] or manifest.ranks
     return {
-        blob.sha256: blob
-        for rank in manifest.ranks
-        for record in rank.layers.values()
-        for blob in record.blobs
+        blob.sha256: blob for r in ranks for record in r.layers.values() for blob in record.blobs
     }
 
 

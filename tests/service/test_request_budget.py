@@ -76,7 +76,7 @@ def one_save(server: Server, run: str, *, tensors: int, scheduler: bool) -> list
     finally:
         ckpt.close()
         proxy.close()
-    assert result.new_bytes > 0  # the changed tensors were uploaded
+    assert 0 < result.new_bytes < result.payload_bytes  # the changed tensors alone uploaded
     with server.client() as client:  # each save's figures arrived all the same
         bundles = client.get(f"/v1/runs/{run}/lineage").json()["bundles"]
         saves = [client.get(f"/v1/bundles/{b['id']}").json()["saves"] for b in bundles]
@@ -97,4 +97,36 @@ def test_a_save_costs_the_same_requests_whatever_its_layers_and_tensors(
     server: Server, run_name: str, tensors: int, scheduler: bool
 ) -> None:
     sent = one_save(server, run_name, tensors=tensors, scheduler=scheduler)
+    assert sent == BUDGET
+
+
+def test_after_a_resume_a_save_uploads_only_what_changed(server: Server, run_name: str) -> None:
+    """A new process knows no hash of the save before; it asks about the blobs of the bundle
+    it resumed from, once, and uploads none of those the store holds."""
+    one_save(server, run_name, tensors=4, scheduler=False)
+    counted = Counted()
+    proxy = FaultProxy(server.url, counted)
+    net = model(4)
+    ckpt = Checkpointer(
+        run=run_name,
+        models=net,
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
+        store=server.store,
+        server=proxy.url,
+        token=server.admin_token,
+        blob_bytes=1 << 20,
+        heartbeat_seconds=3600.0,
+        handle_signals=False,
+    )
+    try:
+        assert ckpt.resume().step == 1
+        del counted.requests[:]
+        ckpt.counters.step = 2
+        result = ckpt.save().wait()
+        sent = [_named(method, path, run=run_name) for method, path in counted.requests]
+    finally:
+        ckpt.close()
+        proxy.close()
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert result.new_bytes < weights / 4  # not even one of the tensors again
     assert sent == BUDGET
