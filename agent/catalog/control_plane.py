@@ -353,13 +353,14 @@ class ControlPlaneCatalog:
             raise
 
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
-        """Keep the figures for this rank's next layer record (or ``close``)."""
+        """Keep the figures for this rank's next layer record (or ``end``, ``close``)."""
         if bundle_id is not None:
             self._figures.keep(bundle_id, figures)
 
     def end(
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
+        self._figures.send(self.control, rank=self.ranks.rank, patience=ANSWER_SECONDS)
         try:
             self.attempt.end(
                 reason, final_save_committed=final_save_committed, step=step, patience=patience
