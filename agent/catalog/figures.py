@@ -1,6 +1,7 @@
 """A rank's save figures on their way to the control plane: each save's ride on the rank's
 next layer record (``POST /v1/bundles/{id}/layers/{rank}``), so a save costs no request of
-its own for them; those left when the checkpointer closes are sent on their own."""
+its own for them; those left when the attempt ends or the checkpointer closes are sent on
+their own."""
 
 from __future__ import annotations
 
