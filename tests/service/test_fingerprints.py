@@ -204,6 +204,7 @@ def test_a_verdict_must_name_an_earlier_attempt_of_its_run(
         ([{**fp(1), "parts": {f"p{i}": "x" for i in range(9)}}], "8"),
         ([{**fp(1), "parts": {"Params": "x"}}], "pattern"),
         ([{**fp(1), "parts": {"params": "x" * 129}}], "128"),
+        ([{**fp(1), "parts": {"params": "ab\ncd"}}], "pattern"),
         ([{**fp(1), "step": -1}], "step"),
         ([{**fp(1), "micro_step": "1"}], "micro_step"),
         ([{**fp(1), "extra": 1}], "extra"),
