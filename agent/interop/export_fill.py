@@ -13,7 +13,7 @@ import bisect
 import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -109,14 +109,13 @@ def _blobs(manifest: Manifest, rank: int, layer: Layer, targets: Targets) -> Ite
     for blob in record.blobs:
         stop = start + blob.size
         first = bisect.bisect_right(ends, start)
-        hit = tuple(
-            (name, begin, end)
-            for begin, end, name in itertools.takewhile(
-                lambda s: s[0] < stop, itertools.islice(spans, first, None)
-            )
-        )
+        hit = []
+        for begin, end, name in itertools.islice(spans, first, None):
+            if begin >= stop:
+                break
+            hit.append((name, begin, end))
         if hit:
-            yield _Work(blob, start, hit, targets)
+            yield _Work(blob, start, tuple(hit), targets)
         start = stop
 
 
@@ -133,7 +132,7 @@ def _fetch(store: ObjectStore, manifest: Manifest, item: _Work, view: memoryview
         ) from err
 
 
-def _write(fd: int, data: memoryview | Sequence[int], offset: int) -> None:
+def _write(fd: int, data: memoryview, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)

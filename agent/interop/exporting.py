@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.catalog.manifests import bundle_name, load_manifest
-from agent.interop.export_fill import fill
 from agent.interop.export_files import (
     Placed,
     dcp_folder,
@@ -35,7 +34,8 @@ from agent.interop.export_files import (
     safetensors_folder,
     torch_file,
 )
-from agent.interop.export_plan import STREAMED, Entry, Plan, by_name, transform
+from agent.interop.export_fill import fill
+from agent.interop.export_plan import Entry, Plan, by_name, transform
 from ckpt.core.contract import RESTORE_ORDER, Layer, Manifest, missing_parts
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore, keys, open_store
@@ -182,6 +182,7 @@ def _find(
 ) -> Manifest:
     """The manifest ``ref`` names (see ``export``)."""
     position = keys.manifest_position(ref.rstrip("/") + "/manifest.json")
+    step: int | None
     if position is not None:
         run = ref.split("/")[1]
         step, micro = position
@@ -228,7 +229,7 @@ def _layers(manifest: Manifest, *, whole_state: bool, allow_incomplete: bool) ->
 
 def _staging(out: str) -> str:
     """A fresh folder beside ``out`` to write into; ``out`` must not be in use."""
-    if os.path.isdir(out) and os.listdir(out) or os.path.isfile(out):
+    if (os.path.isdir(out) and os.listdir(out)) or os.path.isfile(out):
         raise ValueError(f"{out} exists: export to a new path (or an empty folder)")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
@@ -322,4 +323,4 @@ def _unwrapped(key: str) -> str:
     return key
 
 
-__all__ = ["DEFAULT_SHARD_BYTES", "STREAMED", "Exported", "Format", "export"]
+__all__ = ["DEFAULT_SHARD_BYTES", "Exported", "Format", "export"]
