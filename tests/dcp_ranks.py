@@ -22,7 +22,7 @@ from tests.server_process import free_port
 
 def main(folder: str, template: str, out: str) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -35,7 +35,7 @@ def main(folder: str, template: str, out: str) -> None:
         else torch.zeros_like(value)
         for key, value in wanted.items()
     }
-    dcp.load(state, checkpoint_id=folder)
+    load(state, checkpoint_id=folder)
     loaded = {
         key: value.full_tensor() if hasattr(value, "full_tensor") else value
         for key, value in state.items()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
 from agent.data.sampling import PerSampleRNG, ResumableSampler
 from agent.stateful import Stateful
@@ -91,19 +91,23 @@ class SamplerLoader:
     """A plain ``DataLoader`` shuffling through a ``ResumableSampler``."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
-        if not isinstance(loader.sampler, ResumableSampler) or loader.batch_size is None:
+        sampler, batch_size = _resumable_batches(loader)
+        if sampler is None or batch_size is None:
             raise ValueError(
                 "a plain DataLoader resumes only through ckpt's sampler or torch's "
                 "DistributedSampler: DataLoader(dataset, batch_size=..., "
                 "sampler=ResumableSampler(dataset, seed=...)); or use torchdata's StatefulDataLoader"
             )
         self.loader = loader
-        self.sampler: ResumableSampler = loader.sampler
-        self.batch_size: int = loader.batch_size
+        self.sampler: ResumableSampler = sampler
+        self.batch_size: int = batch_size
 
     def begin_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
         _set_epoch(self.loader.dataset, epoch)
+        # A loader that keeps its own epoch and hands it to its sampler at each iterator
+        # (Accelerate's DataLoaderShard) is told the epoch too, or it would rewind it.
+        _set_epoch(self.loader, epoch)
 
     def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
         return _iterate_loader(self.loader, resumed=resumed, generator_in_state=False)
@@ -116,6 +120,17 @@ class SamplerLoader:
 
     def load_state_dict(self, state: Any) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+def _resumable_batches(loader: DataLoader[Any]) -> tuple[ResumableSampler | None, int | None]:
+    """The loader's ``ResumableSampler`` and batch size: its own, or those of the batch
+    sampler it was given (Accelerate's prepared loaders pass one built over the sampler)."""
+    if isinstance(loader.sampler, ResumableSampler):
+        return loader.sampler, loader.batch_size
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(inner, ResumableSampler) and type(loader.batch_sampler) is BatchSampler:
+        return inner, loader.batch_sampler.batch_size
+    return None, None
 
 
 _SKIPPING: dict[type, type] = {}

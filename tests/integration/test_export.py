@@ -70,11 +70,11 @@ def assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 def dcp_load(state: dict[str, Any], folder: Path) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        load(state, checkpoint_id=str(folder), no_dist=True)
 
 
 def test_weights_export_as_safetensors_torch_and_dcp(saved: Any, tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ def test_the_whole_state_exports_with_the_optimizer(saved: Any, tmp_path: Path) 
     assert layers["scheduler"]["0"]["last_epoch"] == 2
 
     export(str(store), RUN, str(tmp_path / "dcp"), to="dcp", whole_state=True, quiet=True)
-    zeros = {
+    zeros: dict[str, Any] = {
         "model": {key: torch.zeros_like(value) for key, value in model.state_dict().items()},
         "optimizer": {
             "state": {
@@ -175,7 +175,7 @@ def test_a_transformers_folder_loads_with_from_pretrained(tmp_path: Path) -> Non
     )
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert_equal(loaded.state_dict(), model.state_dict())
-    model.eval()  # from_pretrained gives a model in eval mode: no dropout
+    model.train(False)  # from_pretrained gives a model in eval mode: no dropout
     assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
@@ -207,16 +207,14 @@ def test_an_incomplete_bundle_exports_only_with_the_flag_and_names_what_it_lacks
     manifest["step"] = 3
     store.put(keys.manifest_key(RUN, 3), [json.dumps(manifest).encode()])
 
-    with pytest.raises(ValueError, match="not resumable: it lacks rank 0 rng.*--allow-incomplete"):
+    with pytest.raises(ValueError, match=r"not resumable: it lacks rank 0 rng.*--allow-incomplete"):
         export(store, f"{RUN}@3", str(tmp_path / "out"), to="safetensors", quiet=True)
     with pytest.raises(SystemExit) as refused:
         ckpt(["export", f"{RUN}@3", str(tmp_path / "out"), "--to", "torch", "--store", str(store.root)])  # fmt: skip
     assert refused.value.code == 2
     assert not (tmp_path / "out").exists()
-    code = ckpt(
-        ["export", f"{RUN}@3", str(tmp_path / "out.pt"), "--to", "torch", "--allow-incomplete"]
-        + ["--store", str(store.root)]
-    )
+    flags = ["--to", "torch", "--allow-incomplete", "--store", str(store.root)]
+    code = ckpt(["export", f"{RUN}@3", str(tmp_path / "out.pt"), *flags])
     assert code == 0
     assert_equal(torch.load(tmp_path / "out.pt", weights_only=True), model.state_dict())
 
