@@ -7,6 +7,7 @@ or any stateful object such as torchdata's ``StatefulDataLoader``.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -69,9 +70,26 @@ def _iterate_loader(
         redundant = False
     saved = generator.get_state() if redundant else None
     iterator = iter(loader)
+    if saved is not None and inspect.isgenerator(iterator):
+        # A loader whose ``__iter__`` is a generator function (Accelerate's) creates the
+        # DataLoader iterator, and draws the seed, only at the first batch.
+        return _keeping_state(iterator, generator)
     if saved is not None:
         generator.set_state(saved)
     return iterator
+
+
+def _keeping_state(iterator: Iterator[Any], generator: torch.Generator) -> Iterator[Any]:
+    """``iterator``, with ``generator`` as it was before the first batch was drawn."""
+    saved = generator.get_state()
+    first = next(iterator, _END)
+    generator.set_state(saved)
+    if first is not _END:
+        yield first
+        yield from iterator
+
+
+_END = object()
 
 
 def _refuse_frozen_epoch(loader: DataLoader[Any]) -> None:
@@ -131,6 +149,13 @@ def _resumable_batches(loader: DataLoader[Any]) -> tuple[ResumableSampler | None
     if isinstance(inner, ResumableSampler) and type(loader.batch_sampler) is BatchSampler:
         return inner, loader.batch_sampler.batch_size
     return None, None
+
+
+def _batches_over_resumable_sampler(loader: DataLoader[Any]) -> bool:
+    """Whether the loader draws batches from a batch sampler over a ``ResumableSampler``."""
+    return not isinstance(loader.sampler, ResumableSampler) and (
+        _resumable_batches(loader)[0] is not None
+    )
 
 
 _SKIPPING: dict[type, type] = {}
@@ -311,6 +336,8 @@ def data_source(data: object) -> DataSource:
     """
     if isinstance(data, ResumableSampler):
         return SamplerItems(data)
+    if isinstance(data, DataLoader) and _batches_over_resumable_sampler(data):
+        return SamplerLoader(data)  # Accelerate's prepared loader, stateful or not
     if isinstance(data, DataLoader) and not isinstance(data, Stateful):
         _refuse_frozen_epoch(data)
         if isinstance(data.sampler, DistributedSampler) and data.batch_size is not None:
