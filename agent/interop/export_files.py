@@ -25,6 +25,7 @@ import torch
 
 from agent.format.dtypes import DTYPES
 from agent.interop.export_plan import Entry, transform
+from ckpt.core.errors import BundleFormatError
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip entry's local header, before its name
 
@@ -174,7 +175,20 @@ def dcp_folder(
         TensorStorageMetadata,
     )
 
-    flat, mapping = flatten_state_dict(state)
+    # DCP walks into a list only when it holds tensors: stand each entry in for a meta one.
+    metas: dict[int, Entry] = {}
+
+    def meta(value: object) -> object:
+        entry = entry_of(value)
+        if entry is None:
+            return value
+        tensor = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        metas[id(tensor)] = entry
+        return tensor
+
+    standing = transform(state, meta)
+    assert isinstance(standing, dict)
+    flat, mapping = flatten_state_dict(standing)
     data_name = "__0_0.distcp"
     data_path = os.path.join(folder, data_name)
     described: dict[str, Any] = {}
@@ -182,16 +196,21 @@ def dcp_folder(
     placed: Placed = []
     with open(data_path, "wb") as data:
         for fqn, value in flat.items():
-            entry = entry_of(value)
+            entry = metas.get(id(value))
             start = data.tell()
             if entry is None:
+                if _holds_tensor(value):
+                    raise BundleFormatError(
+                        f"{fqn}: a tuple or other container of tensors has no DCP form; "
+                        "export this bundle as torch or safetensors"
+                    )
                 buffer = io.BytesIO()
                 torch.save(value, buffer)
                 data.write(buffer.getvalue())
                 described[fqn] = BytesStorageMetadata()
                 storage[MetadataIndex(fqn)] = _StorageInfo(data_name, start, data.tell() - start)
                 continue
-            archive, ((_, offset),) = _archive(value, entry_of)
+            archive, ((_, offset),) = _archive(entry, _same_entry)
             data.write(archive)
             origin = torch.Size([0] * len(entry.shape))
             described[fqn] = TensorStorageMetadata(
@@ -207,6 +226,22 @@ def dcp_folder(
     with open(os.path.join(folder, ".metadata"), "wb") as file:
         pickle.dump(metadata, file)
     return placed
+
+
+def _same_entry(value: object) -> Entry | None:
+    return value if isinstance(value, Entry) else None
+
+
+def _holds_tensor(value: object) -> bool:
+    found = False
+
+    def look(leaf: object) -> object:
+        nonlocal found
+        found = found or isinstance(leaf, torch.Tensor)
+        return leaf
+
+    transform(value, look)
+    return found
 
 
 def _create(path: str, head: bytes, size: int) -> None:
