@@ -7,6 +7,7 @@ import argparse
 import re
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 from ckpt.cli.config import Commands, add_command, settings, usage_error
@@ -90,37 +91,40 @@ def _export(args: argparse.Namespace) -> int:
         max_bytes = parse_size(args.max_shard_size)
     except ValueError as err:
         usage_error("ckpt export", str(err))
-    try:
-        done = export(
-            args.store or settings().store,
-            args.bundle,
-            args.out,
-            to=args.to,
-            config=args.config,
-            whole_state=args.whole_state,
-            allow_incomplete=args.allow_incomplete,
-            max_shard_bytes=max_bytes,
-            find=_finder(args) if args.server else None,
-        )
-    except ValueError as err:
-        usage_error("ckpt export", str(err))
-    except CkptError as err:
-        print(f"ckpt export: {err}", file=sys.stderr)
-        return 1
+    with ExitStack() as stack:
+        find = _finder(args, stack) if args.server else None
+        try:
+            done = export(
+                args.store or settings().store,
+                args.bundle,
+                args.out,
+                to=args.to,
+                config=args.config,
+                whole_state=args.whole_state,
+                allow_incomplete=args.allow_incomplete,
+                max_shard_bytes=max_bytes,
+                find=find,
+            )
+        except ValueError as err:
+            usage_error("ckpt export", str(err))
+        except CkptError as err:
+            print(f"ckpt export: {err}", file=sys.stderr)
+            return 1
     print(
         f"{done.bundle} (step {done.step}): {done.tensors} tensors, {done.bytes} bytes -> {done.path}"
     )
     return 0
 
 
-def _finder(args: argparse.Namespace) -> Find:
-    """Find bundles through the control plane: its resumable answer, or its complete bundle
-    at a step."""
+def _finder(args: argparse.Namespace, stack: ExitStack) -> Find:
+    """Find bundles through the control plane (closed with ``stack``): its resumable
+    answer, or its complete bundle at a step."""
     from agent.catalog.client import ControlPlane
     from ckpt.cli.ask import resolve
 
     url, token = resolve(args.server, args.token)
     control = ControlPlane(url, token=token, retry_seconds=10.0)
+    stack.callback(control.close)
 
     def find(run: str, step: int | None) -> Manifest | None:
         return control.resumable(run) if step is None else control.bundle_at(run, step)

@@ -25,11 +25,14 @@ from ckpt.core.storage import DirectoryStore, keys
 from tests.dcp_ranks import load_in_ranks
 from tests.ranks_job import run_ranks
 from tests.s3_server import S3Server, aws_environment, moto_server
+from tests.server_process import ckpt_server
 
 RUN = "export"
 
 
-def train(store: str | Path, *, run: str = RUN, width: int = 512) -> tuple[nn.Module, Any]:
+def train(
+    store: str | Path, *, run: str = RUN, width: int = 512, **config: Any
+) -> tuple[nn.Module, Any]:
     """Two AdamW steps of a small model, saved at step 2 in small blobs (so that tensors
     span several); the model and the optimizer's state dict at the save."""
     torch.manual_seed(0)
@@ -44,6 +47,7 @@ def train(store: str | Path, *, run: str = RUN, width: int = 512) -> tuple[nn.Mo
         schedulers=scheduler,
         blob_bytes=1 << 20,
         quiet=True,
+        **config,
     )
     for _ in range(2):
         model(torch.randn(3, 8)).square().mean().backward()
@@ -217,6 +221,22 @@ def test_an_incomplete_bundle_exports_only_with_the_flag_and_names_what_it_lacks
     code = ckpt(["export", f"{RUN}@3", str(tmp_path / "out.pt"), *flags])
     assert code == 0
     assert_equal(torch.load(tmp_path / "out.pt", weights_only=True), model.state_dict())
+
+
+def test_through_the_control_plane_the_resumable_bundle_is_exported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with ckpt_server(tmp_path) as server:
+        model, _ = train(server.store, server=server.url, token=server.token)
+        flags = ["--server", server.url, "--token", server.token, "--store", server.store]
+        out = str(tmp_path / "w.pt")
+        assert ckpt(["export", RUN, out, "--to", "torch", *flags]) == 0
+        assert f"runs/{RUN}/bundles/000000000002 (step 2)" in capsys.readouterr().out
+        assert_equal(torch.load(out, weights_only=True), model.state_dict())
+        with pytest.raises(SystemExit) as refused:
+            ckpt(["export", f"{RUN}@5", str(tmp_path / "x.pt"), "--to", "torch", *flags])
+        assert refused.value.code == 2
+        assert "no resumable bundle at step 5 in the control plane" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
