@@ -3,15 +3,15 @@ framing (a safetensors header, a ``torch.save`` archive, DCP's items and ``.meta
 is written first with room for every tensor, and ``Slot`` says where each tensor's
 bytes go; ``export_fill`` then streams the bytes in.
 
-A ``torch.save`` archive is laid out by ``torch.save`` itself under
-``torch.serialization.skip_data`` over fake tensors (no memory): it writes the pickle and
-leaves each storage's record empty, to be filled in place. Its records' CRC-32 fields stay
-zero, as ``skip_data`` leaves them (``torch.load`` does not check them).
+A ``torch.save`` archive is laid out by ``torch.save`` itself, straight into its file,
+under ``torch.serialization.skip_data`` over fake tensors (no memory): it writes the pickle
+and seeks past each storage's record (the file is sparse until filled). Its records' CRC-32
+fields stay zero, as ``skip_data`` leaves them (``torch.load`` does not check them). A DCP
+folder holds such an archive per tensor, as DCP's own writer stores each item.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -102,18 +102,13 @@ def safetensors_folder(
 
 def torch_file(path: str, state: object, entry_of: Callable[[object], Entry | None]) -> Placed:
     """A ``torch.save`` archive of ``state`` (``torch.load(path, weights_only=True)`` reads
-    it where ``state`` holds only tensors and plain values), its storages still to be filled."""
-    archive, placed = _archive(state, entry_of)
-    _create(path, archive, len(archive))
-    return [(entry, Slot(path, offset)) for entry, offset in placed]
+    it where ``state`` holds only tensors and plain values), its storages still to be filled.
 
-
-def _archive(
-    state: object, entry_of: Callable[[object], Entry | None]
-) -> tuple[bytes, list[tuple[Entry, int]]]:
-    """``torch.save`` of ``state`` with each tensor a fake of its entry's dtype and shape,
-    and where each entry's bytes go in it. Storages are numbered in the order the pickle
-    meets them (``torch.save``'s ``id_map``): the order of ``transform``'s depth-first walk."""
+    ``torch.save`` writes it to the file itself over fake tensors: under ``skip_data`` it
+    seeks past each storage, so the file is sparse and nothing of its size is in memory.
+    Storages are numbered in the order the pickle meets them (``torch.save``'s ``id_map``),
+    which is the order of ``transform``'s depth-first walk.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fakes: dict[int, torch.Tensor] = {}
@@ -130,28 +125,27 @@ def _archive(
         return fakes[id(entry)]
 
     faked = transform(state, fake)
-    buffer = io.BytesIO()
     with torch.serialization.skip_data(materialize_fake_tensors=True):
-        torch.save(faked, buffer)
-    archive = buffer.getvalue()
-    records = _data_records(archive)
+        torch.save(faked, path)
+    records = _data_records(path)
     assert len(records) == len(order), f"{len(records)} storages for {len(order)} tensors"
     placed = []
     for key, entry in enumerate(order):
         offset, size = records[str(key)]
         assert size == entry.nbytes, f"storage {key}: {size} bytes for {entry.nbytes}"
-        placed.append((entry, offset))
-    return archive, placed
+        placed.append((entry, Slot(path, offset)))
+    return placed
 
 
-def _data_records(archive: bytes) -> dict[str, tuple[int, int]]:
+def _data_records(path: str) -> dict[str, tuple[int, int]]:
     """Each storage record of a ``torch.save`` archive: key -> (offset of its bytes, size)."""
     found = {}
-    with zipfile.ZipFile(io.BytesIO(archive)) as zipped:
+    with open(path, "rb") as file, zipfile.ZipFile(file) as zipped:
         for info in zipped.infolist():
             folder, _, key = info.filename.rpartition("/")
             if folder.endswith("/data") and key.isdigit():
-                fields = _LOCAL_HEADER.unpack_from(archive, info.header_offset)
+                file.seek(info.header_offset)
+                fields = _LOCAL_HEADER.unpack(file.read(_LOCAL_HEADER.size))
                 name_length, extra_length = fields[-2], fields[-1]
                 start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
                 found[key] = (start, info.file_size)
@@ -161,9 +155,10 @@ def _data_records(archive: bytes) -> dict[str, tuple[int, int]]:
 def dcp_folder(
     folder: str, state: dict[str, Any], entry_of: Callable[[object], Entry | None]
 ) -> Placed:
-    """A ``torch.distributed.checkpoint`` folder of ``state`` (``.metadata`` and one data
-    file): each tensor one item, whole, which ``dcp.load`` reads at any world size (a
-    sharded target reads its part); each other value a bytes item, as DCP writes them."""
+    """A ``torch.distributed.checkpoint`` folder of ``state``: ``.metadata``, each tensor
+    one item, whole, in a file of its own (``dcp.load`` reads it at any world size; a
+    sharded target reads its part), and the other values as bytes items in one file, as DCP
+    writes them."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -189,37 +184,34 @@ def dcp_folder(
     standing = transform(state, meta)
     assert isinstance(standing, dict)
     flat, mapping = flatten_state_dict(standing)
-    data_name = "__0_0.distcp"
-    data_path = os.path.join(folder, data_name)
     described: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     placed: Placed = []
-    with open(data_path, "wb") as data:
-        for fqn, value in flat.items():
+    small = "__0_0.distcp"  # the values that are not tensors, one after the other
+    with open(os.path.join(folder, small), "wb") as data:
+        for number, (fqn, value) in enumerate(flat.items(), start=1):
             entry = metas.get(id(value))
-            start = data.tell()
             if entry is None:
                 if _holds_tensor(value):
                     raise BundleFormatError(
                         f"{fqn}: a tuple or other container of tensors has no DCP form; "
                         "export this bundle as torch or safetensors"
                     )
-                buffer = io.BytesIO()
-                torch.save(value, buffer)
-                data.write(buffer.getvalue())
+                start = data.tell()
+                torch.save(value, data)
                 described[fqn] = BytesStorageMetadata()
-                storage[MetadataIndex(fqn)] = _StorageInfo(data_name, start, data.tell() - start)
+                storage[MetadataIndex(fqn)] = _StorageInfo(small, start, data.tell() - start)
                 continue
-            archive, ((_, offset),) = _archive(entry, _same_entry)
-            data.write(archive)
+            name = f"__0_{number}.distcp"  # each tensor a file: torch.save seeks within it
+            path = os.path.join(folder, name)
+            placed += torch_file(path, entry, _same_entry)
             origin = torch.Size([0] * len(entry.shape))
             described[fqn] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=entry.dtype),
                 size=torch.Size(entry.shape),
                 chunks=[ChunkStorageMetadata(offsets=origin, sizes=torch.Size(entry.shape))],
             )
-            storage[MetadataIndex(fqn, origin)] = _StorageInfo(data_name, start, len(archive))
-            placed.append((entry, Slot(data_path, start + offset)))
+            storage[MetadataIndex(fqn, origin)] = _StorageInfo(name, 0, os.path.getsize(path))
     metadata = Metadata(
         state_dict_metadata=described, planner_data=mapping, storage_data=storage, version="1.0.0"
     )
