@@ -17,6 +17,7 @@ from tests.conftest import run_trainer
 JOB = "tests.integration.accelerate_trainer"
 
 
+@pytest.mark.slow
 def test_an_accelerator_loop_killed_mid_run_resumes_bit_exactly(tmp_path: Path) -> None:
     reference = run_trainer(tmp_path / "a", tmp_path / "a.pt", "--steps", "8", module=JOB)
     store = tmp_path / "b"
