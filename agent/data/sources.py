@@ -7,13 +7,14 @@ or any stateful object such as torchdata's ``StatefulDataLoader``.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
 
 from agent.data.sampling import PerSampleRNG, ResumableSampler
 from agent.stateful import Stateful
@@ -69,9 +70,26 @@ def _iterate_loader(
         redundant = False
     saved = generator.get_state() if redundant else None
     iterator = iter(loader)
+    if saved is not None and inspect.isgenerator(iterator):
+        # A loader whose ``__iter__`` is a generator function (Accelerate's) creates the
+        # DataLoader iterator, and draws the seed, only at the first batch.
+        return _keeping_state(iterator, generator)
     if saved is not None:
         generator.set_state(saved)
     return iterator
+
+
+def _keeping_state(iterator: Iterator[Any], generator: torch.Generator) -> Iterator[Any]:
+    """``iterator``, with ``generator`` as it was before the first batch was drawn."""
+    saved = generator.get_state()
+    first = next(iterator, _END)
+    generator.set_state(saved)
+    if first is not _END:
+        yield first
+        yield from iterator
+
+
+_END = object()
 
 
 def _refuse_frozen_epoch(loader: DataLoader[Any]) -> None:
@@ -91,19 +109,23 @@ class SamplerLoader:
     """A plain ``DataLoader`` shuffling through a ``ResumableSampler``."""
 
     def __init__(self, loader: DataLoader[Any]) -> None:
-        if not isinstance(loader.sampler, ResumableSampler) or loader.batch_size is None:
+        sampler, batch_size = _resumable_batches(loader)
+        if sampler is None or batch_size is None:
             raise ValueError(
                 "a plain DataLoader resumes only through ckpt's sampler or torch's "
                 "DistributedSampler: DataLoader(dataset, batch_size=..., "
                 "sampler=ResumableSampler(dataset, seed=...)); or use torchdata's StatefulDataLoader"
             )
         self.loader = loader
-        self.sampler: ResumableSampler = loader.sampler
-        self.batch_size: int = loader.batch_size
+        self.sampler: ResumableSampler = sampler
+        self.batch_size: int = batch_size
 
     def begin_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
         _set_epoch(self.loader.dataset, epoch)
+        # A loader that keeps its own epoch and hands it to its sampler at each iterator
+        # (Accelerate's DataLoaderShard) is told the epoch too, or it would rewind it.
+        _set_epoch(self.loader, epoch)
 
     def batches(self, *, resumed: Resumed | None) -> Iterator[Any]:
         return _iterate_loader(self.loader, resumed=resumed, generator_in_state=False)
@@ -116,6 +138,24 @@ class SamplerLoader:
 
     def load_state_dict(self, state: Any) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+def _resumable_batches(loader: DataLoader[Any]) -> tuple[ResumableSampler | None, int | None]:
+    """The loader's ``ResumableSampler`` and batch size: its own, or those of the batch
+    sampler it was given (Accelerate's prepared loaders pass one built over the sampler)."""
+    if isinstance(loader.sampler, ResumableSampler):
+        return loader.sampler, loader.batch_size
+    inner = getattr(loader.batch_sampler, "sampler", None)
+    if isinstance(inner, ResumableSampler) and type(loader.batch_sampler) is BatchSampler:
+        return inner, loader.batch_sampler.batch_size
+    return None, None
+
+
+def _batches_over_resumable_sampler(loader: DataLoader[Any]) -> bool:
+    """Whether the loader draws batches from a batch sampler over a ``ResumableSampler``."""
+    return not isinstance(loader.sampler, ResumableSampler) and (
+        _resumable_batches(loader)[0] is not None
+    )
 
 
 _SKIPPING: dict[type, type] = {}
@@ -296,6 +336,8 @@ def data_source(data: object) -> DataSource:
     """
     if isinstance(data, ResumableSampler):
         return SamplerItems(data)
+    if isinstance(data, DataLoader) and _batches_over_resumable_sampler(data):
+        return SamplerLoader(data)  # Accelerate's prepared loader, stateful or not
     if isinstance(data, DataLoader) and not isinstance(data, Stateful):
         _refuse_frozen_epoch(data)
         if isinstance(data.sampler, DistributedSampler) and data.batch_size is not None:

@@ -59,7 +59,7 @@ def read_layer(
         # place; a group of small tensors goes through a buffer of its own.
         direct = len(pieces) == 1
         buffer = pieces[0] if direct else torch.empty(blob.size, dtype=torch.uint8).numpy().data
-        _fetch_blob(store, manifest, blob, buffer)
+        fetch_blob(store, manifest, blob, buffer)
         if not direct:
             payload.scatter(target, start, buffer)
         progress(blob.size)
@@ -86,7 +86,7 @@ def referencing(manifest: Manifest, sha256: str) -> str:
     )
 
 
-def _fetch_blob(store: ObjectStore, manifest: Manifest, blob: BlobRef, target: memoryview) -> None:
+def fetch_blob(store: ObjectStore, manifest: Manifest, blob: BlobRef, target: memoryview) -> None:
     """Read one blob of the manifest into ``target`` and check its size and SHA-256."""
     bundle = bundle_name(manifest)
 

@@ -9,12 +9,14 @@ image (no FastAPI) and in a control-plane image (no torch) alike.
     ckpt token create|list|revoke  manage the bearer tokens in the catalog
     ckpt catalog rebuild           recreate the catalog from the manifests in the store
     ckpt verify RUN                check every blob of a bundle in the store
+    ckpt export BUNDLE OUT --to F  write a bundle as safetensors, Transformers, DCP or torch
     ckpt runs | attempts | resumable | bundle
                                    ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
 
 One module per job: ``server`` (server, migrate, gc, catalog), ``tokens``, ``verify``,
-``ask`` (the REST queries); ``config`` and ``text`` are what they share; ``failure`` says
-in a line or two what to fix when a command fails (the traceback with ``--debug``).
+``export``, ``ask`` (the REST queries); ``config`` and ``text`` are what they share;
+``failure`` says in a line or two what to fix when a command fails (the traceback with
+``--debug``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ckpt.cli import ask, failure, server, tokens, verify
+from ckpt.cli import ask, export, failure, server, tokens, verify
 from ckpt.cli.config import Handler
 from ckpt.core.version import __version__, install_hint
 
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokens.add_commands(commands)
     server.add_catalog_commands(commands)
     verify.add_commands(commands)
+    export.add_commands(commands)
     ask.add_commands(commands)
     return parser
 

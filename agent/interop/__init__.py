@@ -1,0 +1,1 @@
+"""Bundles in from and out to the formats other tools read and write."""
