@@ -9,10 +9,11 @@ image (no FastAPI) and in a control-plane image (no torch) alike.
     ckpt token create|list|revoke  manage the bearer tokens in the catalog
     ckpt catalog rebuild           recreate the catalog from the manifests in the store
     ckpt verify RUN                check every blob of a bundle in the store
+    ckpt import SOURCE --run RUN   commit another tool's checkpoint as a bundle
     ckpt runs | resumable | bundle ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
 
 One module per job: ``server`` (server, migrate, gc, catalog), ``tokens``, ``verify``,
-``ask`` (the REST queries); ``config`` and ``text`` are what they share; ``failure`` says
+``ask`` (the REST queries), ``interop`` (import); ``config`` and ``text`` are what they share; ``failure`` says
 in a line or two what to fix when a command fails (the traceback with ``--debug``).
 """
 
@@ -22,7 +23,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ckpt.cli import ask, failure, server, tokens, verify
+from ckpt.cli import ask, failure, interop, server, tokens, verify
 from ckpt.cli.config import Handler
 from ckpt.core.version import __version__, install_hint
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     tokens.add_commands(commands)
     server.add_catalog_commands(commands)
     verify.add_commands(commands)
+    interop.add_commands(commands)
     ask.add_commands(commands)
     return parser
 
