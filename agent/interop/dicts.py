@@ -10,6 +10,7 @@ keyed by parameter name (``get_optimizer_state_dict``), and is renumbered.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,9 @@ def read_dcp(folder: Path, *, unsafe: bool) -> Found:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
-        saved = _load_state_dict_from_keys(checkpoint_id=str(folder))
+        with warnings.catch_warnings():  # that it reads in one process, as meant
+            warnings.filterwarnings("ignore", message="torch.distributed is unavailable")
+            saved = _load_state_dict_from_keys(checkpoint_id=str(folder))
     except Exception as err:  # DCP wraps a reader's failure in its own CheckpointException
         raise ImportSourceError(
             f"{folder}: cannot be read, damaged or incomplete ({_first_line(err)})"
@@ -87,7 +90,9 @@ def from_dict(saved: dict[str, Any], *, path: Path, format_name: str) -> Found:
     )
     scheduler = saved.get("scheduler")
     result.fill(
-        Layer.SCHEDULER, None if scheduler is None else {"0": scheduler}, why_not="no 'scheduler' key"
+        Layer.SCHEDULER,
+        None if scheduler is None else {"0": scheduler},
+        why_not="no 'scheduler' key",
     )
     rng = saved.get("rng")
     result.fill(
@@ -112,7 +117,7 @@ def _numbered(optimizer: Any, *, path: Path) -> dict[str, Any]:
         raise ImportSourceError(f"{path}: 'optimizer' lacks 'state' or 'param_groups'")
     names = [param for group in groups for param in group["params"]]
     if all(isinstance(name, int) for name in names):
-        return optimizer
+        return dict(optimizer)
     index = {name: i for i, name in enumerate(names)}
     return {
         "state": {index[name]: value for name, value in optimizer["state"].items()},

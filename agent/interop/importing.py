@@ -15,20 +15,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.catalog.manifests import bundle_name, write_manifest
-from agent.catalog.store import store_held
+from agent.catalog.client import ControlPlane
+from agent.catalog.manifests import bundle_name
 from agent.config import Config
-from agent.format import skeleton
+from agent.interop.commit import commit_through, commit_to_store
 from agent.interop.dicts import read_dcp, read_torch
 from agent.interop.found import Found
 from agent.interop.sources import read_hf, read_lightning
-from agent.save.upload import WriteStats, durable_together, upload_layer
-from agent.state.capture import LayerState
-from ckpt.core.contract import RESTORE_ORDER, ImportFormat, Imported, Layer, LayerRecord, Manifest
-from ckpt.core.errors import BundleExistsError, ImportSourceError
-from ckpt.core.storage import ObjectStore, keys, open_store
+from ckpt.core.contract import RESTORE_ORDER, Imported, ImportFormat, Layer, Manifest
+from ckpt.core.errors import ImportSourceError
+from ckpt.core.storage import ObjectStore, open_store
+from ckpt.core.tokens import default_token
 
-__all__ = ["ImportResult", "import_checkpoint", "detect_format"]
+__all__ = ["ImportResult", "detect_format", "import_checkpoint"]
 
 log = logging.getLogger("ckpt")
 
@@ -80,7 +79,9 @@ def import_checkpoint(
     *,
     run: str,
     store: str | ObjectStore | None = None,
-    format: ImportFormat | None = None,
+    server: str | None = None,
+    token: str | None = None,
+    source_format: ImportFormat | None = None,
     accept_missing: Iterable[Layer | str] = (),
     unsafe_unpickle: bool = False,
 ) -> ImportResult:
@@ -91,7 +92,10 @@ def import_checkpoint(
             DCP directory or a ``torch.save`` file (docs/interop.md lists the keys read).
         run: the run the bundle joins.
         store: where bundles go (``CKPT_STORE`` when left out).
-        format: ``hf``, ``lightning``, ``dcp`` or ``torch``; told from the path when left out.
+        server: commit through this control plane (``CKPT_SERVER``); it registers an
+            attempt of the run, which fences a job of the run still running.
+        token: the control plane's bearer token (``CKPT_TOKEN``).
+        source_format: ``hf``, ``lightning``, ``dcp`` or ``torch``; told from the path when left out.
         accept_missing: exactly the layers the source cannot fill, accepted as missing: the
             bundle is then *imported, partial*.
         unsafe_unpickle: allow unpickling objects beyond tensors and containers (only
@@ -104,16 +108,19 @@ def import_checkpoint(
         ImportSourceError: a file is damaged or unsafe to unpickle, or the layers the
             source lacks are not exactly ``accept_missing`` (the message names them).
         BundleExistsError: the run has a bundle at the source's step already.
+        ControlPlaneError: the control plane refused the bundle (its message says why).
         ValueError: bad configuration (the run's name, the store).
     """
     path = Path(source)
-    config = Config.resolve({"run": run, "store": store if isinstance(store, str) else None})
-    kind = format or detect_format(path)
+    named = store if isinstance(store, str) else None
+    config = Config.resolve({"run": run, "store": named, "server": server, "token": token})
+    kind = source_format or detect_format(path)
     found = READERS[kind](path, unsafe=unsafe_unpickle)
     _check_missing(found, {Layer(layer) for layer in accept_missing})
     imported = Imported(format=kind, source=str(path), missing=tuple(found.missing))
     target = open_store(config.store) if store is None or isinstance(store, str) else store
-    manifest = _commit(target, found, run=config.run, blob_bytes=config.blob_bytes, imported=imported)
+    manifest = _commit(config, target, found, imported=imported)
+    log.info("run %s: imported %s as %s", config.run, path, bundle_name(manifest))
     return ImportResult(
         bundle=bundle_name(manifest),
         step=manifest.step,
@@ -143,37 +150,20 @@ def _check_missing(found: Found, accepted: set[Layer]) -> None:
     )
 
 
-def _commit(
-    store: ObjectStore, found: Found, *, run: str, blob_bytes: int, imported: Imported
-) -> Manifest:
-    """Upload every layer found, as a save does, and write the manifest last."""
-    key = keys.manifest_key(run, found.step, 0)
-    if store.size(key) is not None:
-        raise BundleExistsError(
-            f"run {run} has a bundle at step {found.step} already; import into another run"
+def _commit(config: Config, store: ObjectStore, found: Found, *, imported: Imported) -> Manifest:
+    """Through the control plane when ``config.server`` names one, else to the store."""
+    if not config.server:
+        return commit_to_store(
+            store, found, run=config.run, blob_bytes=config.blob_bytes, imported=imported
         )
-    records = _upload(store, found, blob_bytes=blob_bytes)
-    manifest = write_manifest(
-        store, run=run, position=(found.step, 0), world_size=1, ranks={0: records}, imported=imported
+    control = ControlPlane(
+        config.server,
+        token=config.token or default_token(),
+        retry_seconds=config.server_retry_seconds,
     )
-    log.info("run %s: imported %s as %s", run, found.path, bundle_name(manifest))
-    return manifest
-
-
-def _upload(store: ObjectStore, found: Found, *, blob_bytes: int) -> dict[Layer, LayerRecord]:
-    held = store_held(store, set())
-    stats = WriteStats()
-    records: dict[Layer, LayerRecord] = {}
-    with durable_together(store):
-        for layer in RESTORE_ORDER:
-            if layer in found.layers:
-                tree, tensors = skeleton.encode(found.layers[layer], root=(str(layer),))
-                state = LayerState(skeleton=tree, tensors=_contiguous(tensors))
-                records[layer] = upload_layer(
-                    store, state, blob_bytes=blob_bytes, stats=stats, held=held
-                )
-    return records
-
-
-def _contiguous(tensors: dict[str, object]) -> dict[str, object]:
-    return {name: t.contiguous() for name, t in tensors.items()}  # type: ignore[attr-defined]
+    try:
+        return commit_through(
+            control, store, found, run=config.run, blob_bytes=config.blob_bytes, imported=imported
+        )
+    finally:
+        control.close()

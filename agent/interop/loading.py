@@ -16,13 +16,14 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from ckpt.core.errors import ImportSourceError
 
 # What NumPy's RNG state pickles to: arrays of fixed-width numbers, nothing callable.
 _NUMPY_SAFE: list[Any] = [
     np.ndarray,
     np.dtype,
-    np._core.multiarray._reconstruct,
+    np._core.multiarray._reconstruct,  # type: ignore[attr-defined]
     *(type(np.dtype(code)) for code in ("uint32", "int64", "float64", "uint64")),
 ]
 

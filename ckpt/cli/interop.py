@@ -69,7 +69,7 @@ def _import(args: argparse.Namespace) -> int:
             store=args.store,
             server=args.server,
             token=args.token,
-            format=args.format,
+            source_format=args.format,
             accept_missing=accepted,
             unsafe_unpickle=args.unsafe_unpickle,
         )
