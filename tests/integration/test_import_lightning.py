@@ -66,9 +66,12 @@ def loader() -> DataLoader[Any]:
     return DataLoader(dataset, batch_size=4, sampler=ResumableSampler(dataset, shuffle=False))
 
 
-def fit(callbacks: list[pl.Callback], **kwargs: Any) -> dict[str, Any]:
+def fit(root: Path, callbacks: list[pl.Callback], **kwargs: Any) -> dict[str, Any]:
+    """Fit a fresh module in ``root``; Lightning checkpoints only through ``callbacks``."""
     module = Tiny()
     trainer = pl.Trainer(
+        default_root_dir=root,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         max_epochs=EPOCHS,
         callbacks=callbacks,
         logger=False,
@@ -94,19 +97,19 @@ def fit(callbacks: list[pl.Callback], **kwargs: Any) -> dict[str, Any]:
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``.ckpt`` ModelCheckpoint writes at the end of the first epoch."""
     root = tmp_path_factory.mktemp("lightning")
-    fit([ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)])
+    fit(root, [ModelCheckpoint(dirpath=root, save_top_k=-1, every_n_epochs=1)])
     return root / f"epoch=0-step={BATCHES}.ckpt"
 
 
 def test_a_lightning_checkpoint_resumes_under_ckpt_as_under_lightning(
     checkpoint: Path, tmp_path: Path
 ) -> None:
-    theirs = fit([], ckpt_path=str(checkpoint))
+    theirs = fit(tmp_path, [], ckpt_path=str(checkpoint))
     store = str(tmp_path / "store")
     result = import_checkpoint(checkpoint, run="pl", store=store, accept_missing=["rng", "data"])
     assert (result.step, result.format) == (BATCHES, "lightning")
     assert set(result.missing) == {Layer.RNG, Layer.DATA}
-    ours = fit([CheckpointCallback(run="pl", store=store, every_steps=1000, quiet=True)])
+    ours = fit(tmp_path, [CheckpointCallback(run="pl", store=store, every_steps=1000, quiet=True)])
     assert len(theirs["losses"]) == (EPOCHS - 1) * BATCHES
     assert ours["step"] == theirs["step"] == EPOCHS * BATCHES
     assert torch.equal(ours["losses"], theirs["losses"])
