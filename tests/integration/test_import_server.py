@@ -1,6 +1,6 @@
 """``ckpt import`` through a real ``ckpt server``: the imported, partial bundle is
 committed by the control plane, which records it so (the REST answer, ``ckpt bundle``),
-answers it as the run's resumable bundle, and a ``Checkpointer`` resumes it through the
+answers it as the run's resumable bundle, the dashboard's bundle page says so, and a ``Checkpointer`` resumes it through the
 control plane; a bundle whose missing layers were not accepted is never committed."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ckpt.cli import main as cli
 from tests.integration.dcp_writer import model_and_optimizer
 from tests.server_process import ckpt_server
 from tests.service.conftest import create_pg_database, drop_pg_database
+from tests.ui.signin import signed_in_client
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +60,10 @@ def test_an_imported_partial_bundle_is_committed_and_shown_as_such(
             cli(["bundle", str(bundle["id"]), "--server", server.url, "--token", server.token]) == 0
         )
         assert "imported, partial (no scheduler, rng, data)" in capsys.readouterr().out
+        with signed_in_client(server.url, server.token) as browser:
+            page = browser.get(f"/ui/runs/pt/bundles/{bundle['id']}").text
+        assert 'id="imported"' in page and "partial: it has no scheduler, rng, data" in page
+        assert 'id="missing"' not in page
         fresh = nn.Linear(4, 6)
         fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
         with Checkpointer(
