@@ -221,6 +221,11 @@ class Manifest(_Frozen):
             raise ValueError(
                 f"ranks {ranks} must be distinct and below world_size {self.world_size}"
             )
+        missing = set(self.imported.missing) if self.imported is not None else set()
+        if any(missing & record.layers.keys() for record in self.ranks):
+            raise ValueError(
+                f"imported.missing names {sorted(missing)}, and a rank records one of them"
+            )
         return self
 
     @property
