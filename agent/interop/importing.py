@@ -95,7 +95,8 @@ def import_checkpoint(
         server: commit through this control plane (``CKPT_SERVER``); it registers an
             attempt of the run, which fences a job of the run still running.
         token: the control plane's bearer token (``CKPT_TOKEN``).
-        source_format: ``hf``, ``lightning``, ``dcp`` or ``torch``; told from the path when left out.
+        source_format: ``hf``, ``lightning``, ``dcp`` or ``torch`` (told from the path when
+            left out).
         accept_missing: exactly the layers the source cannot fill, accepted as missing: the
             bundle is then *imported, partial*.
         unsafe_unpickle: allow unpickling objects beyond tensors and containers (only
@@ -114,9 +115,12 @@ def import_checkpoint(
     path = Path(source)
     named = store if isinstance(store, str) else None
     config = Config.resolve({"run": run, "store": named, "server": server, "token": token})
+    accepted = _layers(accept_missing)
     kind = source_format or detect_format(path)
+    if kind not in READERS:
+        raise ImportSourceError(f"unknown format {kind!r}: use one of {', '.join(READERS)}")
     found = READERS[kind](path, unsafe=unsafe_unpickle)
-    _check_missing(found, {Layer(layer) for layer in accept_missing})
+    _check_missing(found, accepted)
     imported = Imported(format=kind, source=str(path), missing=tuple(found.missing))
     target = open_store(config.store) if store is None or isinstance(store, str) else store
     manifest = _commit(config, target, found, imported=imported)
@@ -128,6 +132,17 @@ def import_checkpoint(
         layers=tuple(layer for layer in RESTORE_ORDER if layer in found.layers),
         missing=dict(found.missing),
     )
+
+
+def _layers(names: Iterable[Layer | str]) -> set[Layer]:
+    known = {str(layer) for layer in RESTORE_ORDER}
+    unknown = [str(name) for name in names if str(name) not in known]
+    if unknown:
+        raise ImportSourceError(
+            f"--accept-missing names no layer {', '.join(unknown)}: the layers are "
+            f"{', '.join(sorted(known, key=[str(x) for x in RESTORE_ORDER].index))}"
+        )
+    return {Layer(name) for name in names}
 
 
 def _check_missing(found: Found, accepted: set[Layer]) -> None:

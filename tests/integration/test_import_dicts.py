@@ -144,6 +144,8 @@ def test_a_missing_layer_is_refused_until_accepted_then_recorded_partial(
     assert cli(args) == 1
     assert "--accept-missing rng,data" in capsys.readouterr().err
     assert latest_manifest(open_store(store), "pt") is None
+    assert cli([*args, "--accept-missing", "rng,dta"]) == 1
+    assert "names no layer dta: the layers are weights, optimizer" in capsys.readouterr().err
     assert cli([*args, "--accept-missing", "rng,data"]) == 0
     assert "imported, partial" in capsys.readouterr().out
     manifest = latest_manifest(open_store(store), "pt")
