@@ -45,5 +45,5 @@ def test_the_accepted_layers_are_not_missing_and_the_others_are() -> None:
 
 def test_a_layer_accepted_as_missing_cannot_be_recorded() -> None:
     imported = Imported(format="torch", source="s.pt", missing=(Layer.DATA,))
-    with pytest.raises(ValidationError, match="imported.missing names"):
+    with pytest.raises(ValidationError, match=r"imported\.missing names"):
         manifest(list(Layer), imported)
