@@ -3,6 +3,8 @@ never recording one of them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from pydantic import ValidationError
 
@@ -22,7 +24,7 @@ RECORD = LayerRecord(
 )
 
 
-def manifest(layers: list[Layer], imported: Imported | None) -> Manifest:
+def manifest(layers: Sequence[Layer], imported: Imported | None) -> Manifest:
     return Manifest(
         run="r",
         step=4,
