@@ -51,13 +51,16 @@ def read_dcp(folder: Path, *, unsafe: bool) -> Found:
             "are read with torch.load(weights_only=False): reading it runs code the files "
             "choose. If you trust it, pass --unsafe-unpickle (unsafe_unpickle=True)"
         )
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     try:
         with warnings.catch_warnings():  # that it reads in one process, as meant
             warnings.filterwarnings("ignore", message="torch.distributed is unavailable")
             saved = _load_state_dict_from_keys(checkpoint_id=str(folder))
-    except Exception as err:  # DCP wraps a reader's failure in its own CheckpointException
+    # DCP wraps a reader's failure in its CheckpointException, a BaseException; the
+    # planning before the reads raises plain errors.
+    except (Exception, CheckpointException) as err:
         raise ImportSourceError(
             f"{folder}: cannot be read, damaged or incomplete ({_first_line(err)})"
         ) from err
