@@ -14,6 +14,7 @@ never the control plane (``service``). Its modules and folders, those of a save 
     restore/      find the resumable bundle, download and verify it, fall back
     catalog/      where bundles are kept: the store alone, or the control plane (its client,
                   the attempt's registration and heartbeats, manifests)
+    interop/      other tools' checkpoints (Hugging Face, Lightning, DCP, torch.save) as bundles
     format/       the bundle's bytes: JSON skeletons, safetensors payloads, blob layout (pure)
     ranks/        what the ranks of a job agree on, alone or over ``torch.distributed``
     attempt/      how an attempt ends: stop signals, the grace period, clouds' notices, the

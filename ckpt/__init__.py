@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from agent.config import InFlight
     from agent.counters import Counters
     from agent.data.sampling import PerSampleRNG, ResumableSampler
+    from agent.interop.importing import ImportResult, import_checkpoint
     from agent.restore.resume import ResumeResult
     from agent.save.result import PendingSave, SaveResult
     from ckpt.core.contract import Layer
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
         ControlPlaneError,
         CorruptBundleError,
         FencedError,
+        ImportSourceError,
         IncompatibleBundleError,
         SaveLostError,
         StateChangedError,
@@ -49,6 +51,8 @@ _EXPORTS = {
     "Counters": "agent.counters",
     "PerSampleRNG": "agent.data.sampling",
     "ResumableSampler": "agent.data.sampling",
+    "ImportResult": "agent.interop.importing",
+    "import_checkpoint": "agent.interop.importing",
     "Layer": "ckpt.core.contract",
     "BundleExistsError": "ckpt.core.errors",
     "BundleFormatError": "ckpt.core.errors",
@@ -57,6 +61,7 @@ _EXPORTS = {
     "CorruptBundleError": "ckpt.core.errors",
     "FencedError": "ckpt.core.errors",
     "SaveLostError": "ckpt.core.errors",
+    "ImportSourceError": "ckpt.core.errors",
     "IncompatibleBundleError": "ckpt.core.errors",
     "StateChangedError": "ckpt.core.errors",
     "StoreAccessError": "ckpt.core.errors",
@@ -74,6 +79,8 @@ __all__ = [
     "CorruptBundleError",
     "Counters",
     "FencedError",
+    "ImportResult",
+    "ImportSourceError",
     "InFlight",
     "IncompatibleBundleError",
     "Layer",
@@ -88,6 +95,7 @@ __all__ = [
     "StoreError",
     "UnrepresentableStateError",
     "__version__",
+    "import_checkpoint",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)
 

@@ -68,6 +68,7 @@ def missing(
     world_size: int,
     recorded: Mapping[tuple[int, Layer], LayerRecord],
     stored: Mapping[str, StoredBlob],
+    accepted: Collection[Layer] = (),
 ) -> Missing:
     """What ``recorded`` layers and ``stored`` blobs lack for a complete bundle.
 
@@ -75,7 +76,7 @@ def missing(
     references must be in ``stored`` with the recorded size and a matching SHA-256 (and,
     where ``stored`` says whether, written by the committing run).
     """
-    layers = missing_layers(world_size=world_size, recorded=recorded.keys())
+    layers = missing_layers(world_size=world_size, recorded=recorded.keys(), accepted=accepted)
     ranks = [
         rank
         for rank in range(world_size)
@@ -112,13 +113,19 @@ def summary(missing: Missing) -> str:
     return ", ".join(parts)
 
 
-def missing_layers(*, world_size: int, recorded: Collection[tuple[int, Layer]]) -> list[Part]:
-    """Every (rank, layer) below ``world_size`` that is not in ``recorded``, rank by rank."""
+def missing_layers(
+    *,
+    world_size: int,
+    recorded: Collection[tuple[int, Layer]],
+    accepted: Collection[Layer] = (),
+) -> list[Part]:
+    """Every (rank, layer) below ``world_size`` that is not in ``recorded``, rank by rank;
+    ``accepted``: layers an imported, partial bundle goes without."""
     return [
         Part(rank=rank, layer=layer)
         for rank in range(world_size)
         for layer in RESTORE_ORDER
-        if (rank, layer) not in recorded
+        if (rank, layer) not in recorded and layer not in accepted
     ]
 
 

@@ -117,6 +117,7 @@ def _add_bundle(
         committed_at=_parse(manifest.created_at),
         versions=manifest.versions.model_dump(mode="json"),
         manifest=manifest.model_dump(mode="json"),
+        imported=manifest.imported.model_dump(mode="json") if manifest.imported else None,
     )
     action = Action.COMMITTED if complete else Action.FAILED
     events.record(session, bundle, actor=System.REBUILD, action=action, reason=bundle.reason)

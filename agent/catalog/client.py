@@ -17,7 +17,15 @@ from typing import Any
 import httpx
 
 from agent.attempt.notices import Notice
-from ckpt.core.contract import BlobRef, Layer, LayerRecord, Manifest, SaveFigures, Versions
+from ckpt.core.contract import (
+    BlobRef,
+    Imported,
+    Layer,
+    LayerRecord,
+    Manifest,
+    SaveFigures,
+    Versions,
+)
 from ckpt.core.errors import ControlPlaneError, FencedError
 from ckpt.core.redact import redact
 from ckpt.core.tokens import bearer
@@ -154,20 +162,19 @@ class ControlPlane:
         world_size: int,
         versions: Versions,
         patience: float | None = None,
+        imported: Imported | None = None,
     ) -> int:
-        body = self._call(
-            "POST",
-            f"/v1/runs/{run}/bundles",
-            {
-                "attempt_id": attempt.attempt_id,
-                "epoch": attempt.epoch,
-                "step": step,
-                "micro_step": micro_step,
-                "world_size": world_size,
-                "versions": versions.model_dump(mode="json"),
-            },
-            patience=patience,
-        )
+        request = {
+            "attempt_id": attempt.attempt_id,
+            "epoch": attempt.epoch,
+            "step": step,
+            "micro_step": micro_step,
+            "world_size": world_size,
+            "versions": versions.model_dump(mode="json"),
+        }
+        if imported is not None:  # made by ckpt import: it may lack the layers it names
+            request["imported"] = imported.model_dump(mode="json")
+        body = self._call("POST", f"/v1/runs/{run}/bundles", request, patience=patience)
         bundle_id: int = body["id"]
         return bundle_id
 

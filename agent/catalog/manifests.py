@@ -14,7 +14,15 @@ from datetime import UTC, datetime
 import torch
 from pydantic import ValidationError
 
-from ckpt.core.contract import Layer, LayerRecord, Manifest, RankRecord, Versions, missing_parts
+from ckpt.core.contract import (
+    Imported,
+    Layer,
+    LayerRecord,
+    Manifest,
+    RankRecord,
+    Versions,
+    missing_parts,
+)
 from ckpt.core.errors import BundleFormatError
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.version import __version__
@@ -34,8 +42,10 @@ def write_manifest(
     position: tuple[int, int],
     world_size: int,
     ranks: Mapping[int, Mapping[Layer, LayerRecord]],
+    imported: Imported | None = None,
 ) -> Manifest:
-    """Write the manifest, last: from now on the bundle is resumable."""
+    """Write the manifest, last: from now on the bundle is resumable (``imported``: made by
+    ``ckpt import``, lacking the layers it names)."""
     step, micro_step = position
     manifest = Manifest(
         run=run,
@@ -47,6 +57,7 @@ def write_manifest(
         ranks=tuple(
             RankRecord(rank=rank, layers=dict(layers)) for rank, layers in sorted(ranks.items())
         ),
+        imported=imported,
     )
     missing = missing_parts(manifest)
     assert not missing, f"refusing to commit an incomplete bundle: {missing}"

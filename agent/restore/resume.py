@@ -92,8 +92,9 @@ class Restorer:
                 quiet=config.quiet,
             )
             return ResumeResult(bundle=None, step=None, layers=()), False
+        restored = _present(manifest, wanted)
         put_back(self._objects, states, bundle=bundle_name(manifest))
-        result = ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=wanted)
+        result = ResumeResult(bundle=bundle_name(manifest), step=manifest.step, layers=restored)
         return result, source == config.run
 
     def read_start(
@@ -188,7 +189,8 @@ class Restorer:
     ) -> dict[Layer, layers.State]:
         """This rank's layers; saved by another world size, every saved rank's blocks of the
         sharded layers, merged (``sharded.merge``), and one saved rank's other layers."""
-        sources = self._sources(manifest, wanted)
+        missing = _accepted_missing(manifest)
+        sources = self._sources(manifest, tuple(lay for lay in wanted if lay not in missing))
         total = sum(
             layer_record(manifest, rank=rank, layer=layer).payload_bytes
             for layer, ranks in sources.items()
@@ -265,6 +267,25 @@ class Restorer:
                 manifest.versions.torch,
                 torch.__version__,
             )
+
+
+def _present(manifest: Manifest, wanted: tuple[Layer, ...]) -> tuple[Layer, ...]:
+    """The ``wanted`` layers the bundle holds: an imported, partial bundle lacks some (the
+    objects keep their own state for those, and a warning names them)."""
+    missing = _accepted_missing(manifest)
+    skipped = [str(layer) for layer in wanted if layer in missing]
+    if skipped:
+        log.warning(
+            "bundle %s is imported, partial: it has no %s layer; those keep this process's "
+            "own state, so the resume is not bit-exact",
+            bundle_name(manifest),
+            ", ".join(skipped),
+        )
+    return tuple(layer for layer in wanted if layer not in missing)
+
+
+def _accepted_missing(manifest: Manifest) -> tuple[Layer, ...]:
+    return manifest.imported.missing if manifest.imported is not None else ()
 
 
 def _every_bundle_failed(run: str, failed: list[_Failure]) -> CorruptBundleError:

@@ -10,11 +10,12 @@ image (no FastAPI) and in a control-plane image (no torch) alike.
     ckpt catalog rebuild           recreate the catalog from the manifests in the store
     ckpt verify RUN                check every blob of a bundle in the store
     ckpt export BUNDLE OUT --to F  write a bundle as safetensors, Transformers, DCP or torch
+    ckpt import SOURCE --run RUN   commit another tool's checkpoint as a bundle
     ckpt runs | attempts | resumable | bundle
                                    ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
 
 One module per job: ``server`` (server, migrate, gc, catalog), ``tokens``, ``verify``,
-``export``, ``ask`` (the REST queries); ``config`` and ``text`` are what they share;
+``export``, ``interop`` (import), ``ask`` (the REST queries); ``config`` and ``text`` are what they share;
 ``failure`` says in a line or two what to fix when a command fails (the traceback with
 ``--debug``).
 """
@@ -25,7 +26,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ckpt.cli import ask, export, failure, server, tokens, verify
+from ckpt.cli import ask, export, failure, interop, server, tokens, verify
 from ckpt.cli.config import Handler
 from ckpt.core.version import __version__, install_hint
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_catalog_commands(commands)
     verify.add_commands(commands)
     export.add_commands(commands)
+    interop.add_commands(commands)
     ask.add_commands(commands)
     return parser
 

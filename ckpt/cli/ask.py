@@ -252,7 +252,8 @@ def format_bundle(body: dict[str, Any]) -> str:
     lines = [
         f"bundle {body['id']} of run {body['run']}: step {body['step']}, {body['status']}"
         + (f" ({body['reason']})" if body.get("reason") else "")
-        + (", pinned" if body["pinned"] else ""),
+        + (", pinned" if body["pinned"] else "")
+        + _imported(body.get("imported")),
         f"  world size {body['world_size']}, attempt {body['attempt_id']}, parent {body['parent_id']}",
         f"  created {body['created_at']}, committed {body['committed_at'] or '-'}",
     ]
@@ -266,6 +267,14 @@ def format_bundle(body: dict[str, Any]) -> str:
         missing = ", ".join(f"{x['rank']}/{x['layer']}" for x in body["missing_layers"])
         lines.append(f"  missing: {missing}")
     return "\n".join(lines)
+
+
+def _imported(imported: dict[str, Any] | None) -> str:
+    """ ", imported, partial (no rng, data)" for a bundle ``ckpt import`` made."""
+    if not imported:
+        return ""
+    missing = imported.get("missing") or []
+    return ", imported, partial (no " + ", ".join(missing) + ")" if missing else ", imported"
 
 
 def _ref(ref: dict[str, Any] | None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import unicodedata
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -174,6 +174,26 @@ class CatalogRef(_Frozen):
     epoch: int
 
 
+ImportFormat = Literal["hf", "lightning", "dcp", "torch"]
+
+
+class Imported(_Frozen):
+    """How ``ckpt import`` made a bundle from another tool's checkpoint.
+
+    ``missing`` are the layers the source could not fill and the user accepted without
+    (``--accept-missing``): the bundle is *imported, partial*, a resume restores the other
+    layers only, and it is never a bit-exact bundle.
+    """
+
+    format: ImportFormat
+    source: Annotated[str, Field(max_length=4096, pattern=PRINTABLE)]
+    missing: tuple[Layer, ...] = ()
+
+    @property
+    def partial(self) -> bool:
+        return bool(self.missing)
+
+
 class Manifest(_Frozen):
     """The commit record of a bundle; a bundle without one does not exist."""
 
@@ -188,6 +208,7 @@ class Manifest(_Frozen):
     versions: Versions
     ranks: tuple[RankRecord, ...]
     catalog: CatalogRef | None = None  # None when written store-only
+    imported: Imported | None = None  # made by ``ckpt import``, not by a save
 
     @model_validator(mode="after")
     def _known_format(self) -> Manifest:
@@ -199,6 +220,11 @@ class Manifest(_Frozen):
         if len(set(ranks)) != len(ranks) or any(rank >= self.world_size for rank in ranks):
             raise ValueError(
                 f"ranks {ranks} must be distinct and below world_size {self.world_size}"
+            )
+        missing = set(self.imported.missing) if self.imported is not None else set()
+        if any(missing & record.layers.keys() for record in self.ranks):
+            raise ValueError(
+                f"imported.missing names {sorted(missing)}, and a rank records one of them"
             )
         return self
 
@@ -229,11 +255,13 @@ class SaveFigures(_Frozen):
 
 
 def missing_parts(manifest: Manifest) -> list[tuple[int, Layer]]:
-    """Every (rank, layer) the manifest lacks; empty when the bundle is complete."""
+    """Every (rank, layer) the manifest lacks; empty when the bundle is complete (an
+    imported bundle may lack the layers its import accepted as missing)."""
     present = {(record.rank, layer) for record in manifest.ranks for layer in record.layers}
+    accepted = manifest.imported.missing if manifest.imported is not None else ()
     return [
         (rank, layer)
         for rank in range(manifest.world_size)
         for layer in RESTORE_ORDER
-        if (rank, layer) not in present
+        if (rank, layer) not in present and layer not in accepted
     ]

@@ -7,6 +7,7 @@
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
     ├── BundleExistsError          save: store-only, a resumable bundle at this position that this process did not resume past
     ├── RankError                  the ranks of a job could not meet, or disagree (a step, a result)
+    ├── ImportSourceError          import: a checkpoint is damaged, unsafe to unpickle, or lacks layers
     ├── StoreError                 the object store failed to read or write a key
     │   ├── BadObjectError         the store answered: no such key, or an object too large
     │   └── StoreAccessError       no credentials for the store, or it refused them: not retried
@@ -59,6 +60,12 @@ class BundleExistsError(CkptError):
 class RankError(CkptError):
     """The ranks of a job could not meet in time (a rank died or hangs), or disagree on what
     they must agree on (the step of a save)."""
+
+
+class ImportSourceError(CkptError, ValueError):
+    """``ckpt import`` cannot make a bundle of this checkpoint: a file is damaged or not what
+    its name says, holds objects that only an unsafe unpickling loads, or the checkpoint lacks
+    layers the user did not accept without (the message names the file or the layers)."""
 
 
 class StoreError(CkptError):

@@ -34,7 +34,7 @@ from service.bundles import damage, isolation, repository
 from service.bundles.blobs import stored_blobs
 from service.bundles.fencing import check_epoch, for_write
 from service.bundles.schemas import Commit, Committed, RecordedLayer
-from service.bundles.service import bundle_out, recorded_layers
+from service.bundles.service import accepted_missing, bundle_out, imported_of, recorded_layers
 from service.completeness import BlobProblem, StoredBlob
 from service.context import Context
 from service.errors import ConflictError, IncompleteError, StoreUnavailableError
@@ -246,7 +246,10 @@ def _check_complete(
 ) -> None:
     """Refuse the commit, listing exactly what is missing, unless nothing is."""
     missing = completeness.missing(
-        world_size=bundle.world_size, recorded=plan.records, stored=stored
+        world_size=bundle.world_size,
+        recorded=plan.records,
+        stored=stored,
+        accepted=accepted_missing(bundle),
     )
     if missing:
         context.metrics.rejected.labels(reason="incomplete").inc()
@@ -344,6 +347,7 @@ def _manifest(
             parent_id=bundle.parent_id,
             epoch=attempt.epoch if attempt else 0,
         ),
+        imported=imported_of(bundle),
     )
 
 

@@ -5,7 +5,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckpt.core.contract import SHA256_HEX, BlobRef, LayerRecord, Manifest, Versions
+from ckpt.core.contract import SHA256_HEX, BlobRef, Imported, LayerRecord, Manifest, Versions
 from service.completeness import Part
 from service.names import MAX_ID, Id, Reason, Step
 
@@ -29,6 +29,11 @@ class BundleOpen(_Request):
     # 16384 ranks: the largest jobs of today; a 409 then lists up to 98304 missing parts.
     world_size: Annotated[int, Field(ge=1, le=16384, strict=True)]
     versions: Versions
+    imported: Imported | None = Field(
+        default=None,
+        description="made by ckpt import: the source, and the layers it accepted as missing "
+        "(an imported, partial bundle commits without them and is never a bit-exact resume)",
+    )
 
 
 class LayerPut(_Request):
@@ -115,6 +120,8 @@ class BundleOut(BaseModel):
     missing_layers: list[Part]  # per rank, per layer: what is not recorded yet
     manifest: Manifest | None
     saves: list[SaveOut]  # by rank: the figures the ranks reported
+    imported: Imported | None = None  # made by ckpt import (None: by a save)
+    partial: bool = False  # imported without some layers: never a bit-exact resume  # by rank: the figures the ranks reported
 
 
 class Committed(BaseModel):

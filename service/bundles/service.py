@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from sqlalchemy.orm import Session
 
-from ckpt.core.contract import Layer, LayerRecord, Manifest, SaveFigures
+from ckpt.core.contract import Imported, Layer, LayerRecord, Manifest, SaveFigures
 from service import completeness, models
 from service.auth.service import Principal, require_read, require_write, require_writer
 from service.bundles import isolation, repository
@@ -66,6 +66,7 @@ def open_bundle(
                 micro_step=request.micro_step,
                 world_size=request.world_size,
                 versions=request.versions.model_dump(mode="json"),
+                imported=request.imported.model_dump(mode="json") if request.imported else None,
             )
             found = repository.find_bundle(session, attempt_id=attempt.id, position=position)
             assert found is not None
@@ -223,6 +224,7 @@ def bundle_out(
         recorded = recorded_layers(repository.layers_of(session, bundle_id=bundle.id))
     if manifest is None and bundle.manifest:
         manifest = Manifest.model_validate(bundle.manifest)
+    imported = imported_of(bundle)
     return BundleOut(
         id=bundle.id,
         run=run.name,
@@ -238,13 +240,28 @@ def bundle_out(
         committed_at=bundle.committed_at,
         recorded=list(recorded),
         missing_layers=completeness.missing_layers(
-            world_size=bundle.world_size, recorded={(r.rank, r.layer) for r in recorded}
+            world_size=bundle.world_size,
+            recorded={(r.rank, r.layer) for r in recorded},
+            accepted=accepted_missing(bundle),
         ),
         manifest=manifest,
         saves=[
             SaveOut.model_validate(row) for row in repository.saves_of(session, bundle_id=bundle.id)
         ],
+        imported=imported,
+        partial=imported is not None and imported.partial,
     )
+
+
+def imported_of(bundle: Bundle) -> Imported | None:
+    """How ``ckpt import`` made the bundle; None when a save did."""
+    return Imported.model_validate(bundle.imported) if bundle.imported else None
+
+
+def accepted_missing(bundle: Bundle) -> tuple[Layer, ...]:
+    """The layers an imported, partial bundle commits without."""
+    imported = imported_of(bundle)
+    return imported.missing if imported is not None else ()
 
 
 def recorded_layers(rows: Iterable[models.Layer]) -> list[RecordedLayer]:

@@ -73,6 +73,8 @@ class Bundle(Base):
     committed_at: Mapped[datetime | None]
     versions: Mapped[dict[str, Any]] = mapped_column(JSON)  # of the writer (ckpt, python, torch)
     manifest: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # once complete
+    # Made by ``ckpt import`` (format, source, the layers accepted as missing); None for a save.
+    imported: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class Layer(Base):

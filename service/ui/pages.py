@@ -12,11 +12,12 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ckpt.core.contract import RESTORE_ORDER, Layer
+from ckpt.core.contract import RESTORE_ORDER, Imported, Layer
 from service import completeness, lineage
 from service.auth.service import Principal, require_read
 from service.bundles import repository as bundles_repository
 from service.bundles.damage import trusted
+from service.bundles.service import accepted_missing, imported_of
 from service.errors import NotFoundError
 from service.models import (
     Attempt,
@@ -105,6 +106,7 @@ class BundlePage:
     new_run_command: str | None
     resume_command: str | None
     resume_note: str
+    imported: str  # in words, for a bundle ``ckpt import`` made; empty for a save's
     layers: list[str] = field(default_factory=lambda: [layer.value for layer in RESTORE_ORDER])
 
 
@@ -176,7 +178,9 @@ def bundle_page(
     command, note = resume_command(
         run.name, bundle, resumable_id=resumable.id if resumable else None, server_url=server_url
     )
-    missing = completeness.missing_layers(world_size=bundle.world_size, recorded=set(recorded))
+    missing = completeness.missing_layers(
+        world_size=bundle.world_size, recorded=set(recorded), accepted=accepted_missing(bundle)
+    )
     ranks = _matrix(bundle.world_size, recorded)
     return BundlePage(
         bundle=bundle,
@@ -196,7 +200,19 @@ def bundle_page(
         new_run_command=new_run_command(run.name, bundle, server_url=server_url),
         resume_command=command,
         resume_note=note,
+        imported=imported_words(imported_of(bundle)),
     )
+
+
+def imported_words(imported: Imported | None) -> str:
+    """How ``ckpt import`` made the bundle, in words; empty for a save's bundle."""
+    if imported is None:
+        return ""
+    source = f"Imported from {imported.format} ({imported.source})"
+    if not imported.partial:
+        return source
+    lacks = ", ".join(layer.value for layer in imported.missing)
+    return f"{source}, partial: it has no {lacks} layer, so its resume is not bit-exact"
 
 
 def _attempt_number(session: Session, attempt: Attempt) -> int:
