@@ -3,6 +3,7 @@ too early, no handler left dangling, no staging buffer reused while it is persis
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import signal
@@ -110,3 +111,22 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(tmp_path: Path) -> None:
     assert first.done() and first.durable
     second.wait()
     ckpt.close()
+
+
+def test_the_exit_after_a_signal_leaves_the_heap_to_the_os(tmp_path: Path) -> None:
+    """The interpreter's exit collects the whole heap several times over: with torch loaded,
+    2 CPU-seconds, half a minute on a busy machine, past the grace period. What lives when
+    ``maybe_save()`` raises SystemExit is frozen: the exit skips it."""
+    ckpt = Checkpointer(run="r", models=nn.Linear(4, 4), store=str(tmp_path))
+    gc.unfreeze()
+    try:
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+        while not ckpt.stopping:  # the watcher thread notes it
+            time.sleep(0.01)
+        with pytest.raises(SystemExit) as exited:
+            ckpt.maybe_save()
+        assert exited.value.code == 143
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # this pytest process goes on
+        ckpt.close()
