@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +40,7 @@ from service.gc.endpoints import router as gc_router
 from service.health import router as health_router
 from service.limits import Limits, token_limits
 from service.logsafe import protect
+from service.metrics import process_exited
 from service.periodic import Periodic, periodic_tasks, run_once
 from service.runs.endpoints import router as runs_router
 from service.scrub.endpoints import router as scrub_router
@@ -118,6 +120,7 @@ def _lifespan(
             stop.set()
             halt.set()
             await asyncio.gather(*tasks)
+            process_exited(os.getpid())  # its gauges leave the sums of several workers
 
     return lifespan
 
