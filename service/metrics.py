@@ -183,7 +183,7 @@ def exposition(metrics: Metrics) -> bytes:
         return generate_latest(metrics.registry)
     _forget_killed(os.environ[MULTIPROCESS_DIR])
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
     return generate_latest(registry)
 
 
@@ -195,7 +195,7 @@ def _forget_killed(directory: str) -> None:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            multiprocess.mark_process_dead(pid, directory)
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
         except PermissionError:  # alive, another user's (a reused pid)
             pass
 
@@ -203,4 +203,4 @@ def _forget_killed(directory: str) -> None:
 def process_exited(pid: int) -> None:
     """Drop the gauges of a server process that exited (its counts stay in the sums)."""
     if os.environ.get(MULTIPROCESS_DIR):
-        multiprocess.mark_process_dead(pid)
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

@@ -2,18 +2,18 @@
 whichever worker answers the scrape (issue 32: each answered its own, so counters jumped
 between scrapes and a monitor saw half the truth). Against a real ``ckpt server
 --workers 2`` on PostgreSQL: each request's worker is known by the process that holds
-its connection's server end."""
+its connection's server end (Linux: read in ``/proc``)."""
 
 from __future__ import annotations
 
 import http.client
+import os
 import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import psutil
 import pytest
 
 from tests.server_process import ServerProcess, ckpt_server
@@ -53,12 +53,27 @@ class Connection:
 
     def _worker(self) -> int:
         assert self.http.sock is not None
-        port = self.http.sock.getsockname()[1]
-        for worker in psutil.Process(self.server.pid).children():
-            for held in worker.net_connections(kind="tcp"):
-                if held.raddr and held.raddr.port == port:
-                    return worker.pid
-        raise AssertionError(f"no worker of {self.server.pid} holds the connection from {port}")
+        held = _socket_inode(self.http.sock.getsockname()[1], self.http.sock.getpeername()[1])
+        children = Path(f"/proc/{self.server.pid}/task/{self.server.pid}/children")
+        for worker in map(int, children.read_text().split()):
+            if any(os.readlink(fd) == f"socket:[{held}]" for fd in _fds(worker)):
+                return worker
+        raise AssertionError(f"no worker of {self.server.pid} holds socket {held}")
+
+
+def _socket_inode(client_port: int, server_port: int) -> str:
+    """The inode of the server's end of a loopback connection (``/proc/net/tcp``)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote = (int(end.rsplit(":", 1)[1], 16) for end in fields[1:3])
+        if (local, remote) == (server_port, client_port):
+            return fields[9]
+    raise AssertionError(f"no connection from port {client_port}")
+
+
+def _fds(pid: int) -> list[str]:
+    directory = f"/proc/{pid}/fd"
+    return [os.path.join(directory, name) for name in os.listdir(directory)]
 
 
 def counted(connection: Connection) -> tuple[float, int]:
