@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, and_, bindparam, case, func, select, update
@@ -34,10 +35,7 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int], settle: bool =
                 session, run_id, state=NEW, active_at=created, bundles=bundles, **NO_FIGURES
             )
             continue
-        ended_at, reason, heartbeat_at, started_at, last_step, start = newest
-        state = TRAINING if ended_at is None else reason
-        active_at = ended_at or heartbeat_at or started_at
-        own = max(0, (last_step if last_step is not None else start) - start)
+        state, active_at, own = _newest_figures(*newest)
         if settle:
             attempts, preemptions, lost, earlier = session.execute(
                 _settled_figures(), {"run_id": run_id}
@@ -52,16 +50,51 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int], settle: bool =
             }
             _upsert_activity(session, run_id, state=state, active_at=active_at, **figures)
         else:
-            session.execute(
-                update(RunActivity)
-                .where(RunActivity.run_id == run_id)
-                .values(
-                    state=state,
-                    active_at=active_at,
-                    steps_computed=RunActivity.earlier_steps_computed + own,
-                    writes=RunActivity.writes + 1,
-                )
-            )
+            _update_newest(session, run_id, state=state, active_at=active_at, own=own)
+
+
+def beat_activity(session: Session, attempt: Attempt, *, start: int) -> None:
+    """``refresh_activity`` without ``settle``, after a heartbeat of the run's newest
+    ``attempt`` (resumed from step ``start``), which the caller holds: one UPDATE."""
+    state, active_at, own = _newest_figures(
+        attempt.ended_at,
+        attempt.end_reason,
+        attempt.heartbeat_at,
+        attempt.started_at,
+        attempt.last_step,
+        start,
+    )
+    _update_newest(session, attempt.run_id, state=state, active_at=active_at, own=own)
+
+
+def _newest_figures(  # noqa: PLR0917 (the columns of _newest_attempt, in order)
+    ended_at: datetime | None,
+    reason: str | None,
+    heartbeat_at: datetime | None,
+    started_at: datetime,
+    last_step: int | None,
+    start: int,
+) -> tuple[str, datetime, int]:
+    """The run's state, last activity and its newest attempt's steps, from that attempt."""
+    state = TRAINING if ended_at is None else reason
+    assert state is not None
+    active_at = ended_at or heartbeat_at or started_at
+    return state, active_at, max(0, (last_step if last_step is not None else start) - start)
+
+
+def _update_newest(
+    session: Session, run_id: int, *, state: str, active_at: datetime, own: int
+) -> None:
+    session.execute(
+        update(RunActivity)
+        .where(RunActivity.run_id == run_id)
+        .values(
+            state=state,
+            active_at=active_at,
+            steps_computed=RunActivity.earlier_steps_computed + own,
+            writes=RunActivity.writes + 1,
+        )
+    )
 
 
 NO_FIGURES = {
