@@ -29,6 +29,7 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -218,6 +219,15 @@ def drive(url: str, tokens: dict[str, str], store: DirectoryStore, plan: Plan, *
 @contextmanager
 def floor_app(database_url: str, root: Path, *, workers: int) -> Iterator[str]:
     """``bench/floor.py`` served by uvicorn with ``workers`` processes; yields its URL."""
+    with floor_process(database_url, root, workers=workers) as (url, _):
+        yield url
+
+
+@contextmanager
+def floor_process(
+    database_url: str, root: Path, *, workers: int
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``floor_app``, yielding its process too."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [
@@ -230,8 +240,8 @@ def floor_app(database_url: str, root: Path, *, workers: int) -> Iterator[str]:
     ]
     command += ["--port", str(port), "--workers", str(workers), "--log-level", "warning"]
     env = {**os.environ, "FLOOR_DATABASE_URL": database_url}
-    with serving(command, env=env, cwd=root, log=root / "floor.log", url=url):
-        yield url
+    with serving(command, env=env, cwd=root, log=root / "floor.log", url=url) as process:
+        yield url, process
 
 
 def setup_jobs(admin: httpx.Client, jobs: int, tag: str) -> dict[str, str]:

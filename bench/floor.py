@@ -1,5 +1,7 @@
-"""The floor of ``bench/fleet.py``: the least a FastAPI + SQLAlchemy service can do per
-request, on the same database: one primary-key SELECT of a run, answered as JSON.
+"""The floor of ``bench/fleet.py`` and ``bench/steady.py``: the least a FastAPI +
+SQLAlchemy service can do per request, on the same database: one primary-key SELECT of a
+run (``/resumable``'s floor), or one primary-key UPDATE of an attempt (a heartbeat's),
+answered as JSON.
 
     FLOOR_DATABASE_URL=postgresql+psycopg://... python -m uvicorn floor:app --app-dir bench
 """
@@ -27,3 +29,14 @@ def floor(run_id: int) -> dict[str, object]:
             text("SELECT id, name FROM run WHERE id = :id"), {"id": run_id}
         ).one_or_none()
     return {"id": row.id, "name": row.name} if row else {"id": None}
+
+
+@app.post("/floor/attempts/{attempt_id}/beat")
+def beat(attempt_id: int) -> dict[str, object]:
+    """A heartbeat's floor: one UPDATE of the attempt by primary key, in one transaction."""
+    with engine.begin() as connection:
+        found = connection.execute(
+            text("UPDATE attempt SET heartbeat_at = now() WHERE id = :id RETURNING id"),
+            {"id": attempt_id},
+        ).one_or_none()
+    return {"id": found.id if found else None}

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -27,6 +28,7 @@ from service.bulk import not_json
 from service.bundles.endpoints import router as bundles_router
 from service.context import Context
 from service.db import upgrade
+from service.deps import priority_threads
 from service.errors import (
     DatabaseUnavailableError,
     InvalidRequestError,
@@ -39,6 +41,7 @@ from service.gc.endpoints import router as gc_router
 from service.health import router as health_router
 from service.limits import Limits, token_limits
 from service.logsafe import protect
+from service.metrics import Metrics, process_exited
 from service.periodic import Periodic, periodic_tasks, run_once
 from service.runs.endpoints import router as runs_router
 from service.scrub.endpoints import router as scrub_router
@@ -67,6 +70,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     )
     app.state.context = context
     app.state.admin_token = admin_token
+    app.state.priority_threads = priority_threads(settings.priority_threads)
     for router in (
         health_router,
         runs_router,
@@ -80,7 +84,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     serve_docs(app)  # /docs: Swagger UI, from the package
     install_dashboard(app)  # /ui/: the lineage dashboard, and / redirecting there
     _handle_errors(app)
-    _count_requests(app, context)
+    app.add_middleware(_CountRequests, metrics=context.metrics)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
     # Outermost: a request over its token's limits is refused before its body is read.
     app.add_middleware(Limits, limits=token_limits(settings), metrics=context.metrics)
@@ -118,6 +122,7 @@ def _lifespan(
             stop.set()
             halt.set()
             await asyncio.gather(*tasks)
+            process_exited(os.getpid())  # its gauges leave the sums of several workers
 
     return lifespan
 
@@ -199,20 +204,33 @@ def _describe(problem: Any) -> str:
     return f"{where}: {problem.get('msg', 'invalid')}"
 
 
-def _count_requests(app: FastAPI, context: Context) -> None:
-    metrics = context.metrics
+class _CountRequests:
+    """Requests by route template and status, and their latency, into the metrics. Plain
+    ASGI: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) ran each request in a
+    task group of its own with streams between them, a cost every request paid."""
 
-    @app.middleware("http")
-    async def count(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         started = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")
-        metrics.requests.labels(request.method, template, str(response.status_code)).inc()
-        metrics.latency.labels(request.method, template).observe(time.perf_counter() - started)
-        return response
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, sending)
+        template = getattr(scope.get("route"), "path", "unmatched")
+        method = scope["method"]
+        self.metrics.requests.labels(method, template, str(status)).inc()
+        self.metrics.latency.labels(method, template).observe(time.perf_counter() - started)
 
 
 class _BodyLimit:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from ckpt.core.storage import ObjectStore, open_store
-from service.db import Transaction, make_engine, transactions
+from service.db import Transaction, make_engine, reads, transactions
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -17,6 +17,7 @@ class Context:
     settings: Settings
     engine: Engine
     transaction: Transaction
+    read: Transaction  # a read that takes no lock (``service.db.reads``)
     store: ObjectStore
     metrics: Metrics = field(default_factory=Metrics)
 
@@ -27,6 +28,7 @@ class Context:
             settings=settings,
             engine=engine,
             transaction=transactions(engine),
+            read=reads(engine),
             store=open_store(settings.store),
         )
 

@@ -79,6 +79,26 @@ def transactions(engine: Engine) -> Transaction:
     return transaction
 
 
+def reads(engine: Engine) -> Transaction:
+    """A factory of read-only units of work. On PostgreSQL they send no ``BEGIN`` and no
+    ``COMMIT``, two of the few round trips of a small request: each statement sees what
+    was committed when it started, as it would in a transaction at READ COMMITTED (the
+    catalog's isolation), so a read that needs no lock reads the same. On SQLite, plain
+    transactions (its ``BEGIN IMMEDIATE`` takes the write lock the others take)."""
+    if engine.dialect.name == "sqlite":
+        return transactions(engine)
+    factory = sessionmaker(
+        engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+    )
+
+    @contextmanager
+    def read() -> Iterator[Session]:
+        with factory() as session:
+            yield session
+
+    return read
+
+
 def migrations_dir() -> Path:
     """``migrations``: the package next to this one (found by path, not imported)."""
     return Path(__file__).resolve().parents[1] / "migrations"

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from fastapi import Depends, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator
@@ -14,10 +18,12 @@ from service.context import Context
 from service.names import MAX_ID, RUN_NAME_PATTERN
 from service.settings import admin_tokens
 
+T = TypeVar("T")
 MAX_RANK = 16383  # world sizes go up to 16384
 
 
-def get_context(request: Request) -> Context:
+async def get_context(request: Request) -> Context:
+    """``async``: a plain attribute, not worth a trip to a worker thread."""
     context: Context = request.app.state.context
     return context
 
@@ -48,6 +54,53 @@ def get_principal(
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+@dataclass(frozen=True)
+class Priority:
+    """A request of the priority class (``service.admission``: what a training job and a
+    restarting one wait on), served in a worker thread of the class's own
+    (``CKPT_PRIORITY_THREADS``), which no other request takes: bulk and other requests
+    that hold every other thread (a slow lineage, a flood waiting on a lock) leave it
+    served. Authenticated in the same thread as its work: one trip to a thread, not two."""
+
+    context: Context
+    authorization: str | None
+    admin_tokens: tuple[str, ...]
+    threads: CapacityLimiter
+
+    async def serve(self, work: Callable[[Context, Principal], T]) -> T:
+        """``work(context, principal)`` in a priority thread."""
+
+        def authenticated() -> T:
+            principal = authenticate(
+                self.context, authorization=self.authorization, admin_tokens=self.admin_tokens
+            )
+            return work(self.context, principal)
+
+        return await anyio.to_thread.run_sync(authenticated, limiter=self.threads)
+
+
+def priority_threads(count: int) -> CapacityLimiter:
+    """The priority class's threads, for ``app.state.priority_threads``."""
+    return CapacityLimiter(count)
+
+
+async def get_priority(
+    request: Request,
+    context: ContextDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
+) -> Priority:
+    authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+    return Priority(
+        context=context,
+        authorization=authorization,
+        admin_tokens=admin_tokens(request.app.state.admin_token),
+        threads=request.app.state.priority_threads,
+    )
+
+
+PriorityDep = Annotated[Priority, Depends(get_priority)]
 
 
 def _digits(text: object) -> object:

@@ -8,12 +8,12 @@ import logging
 from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from service.context import Context
 from service.db import ping, schema_revision
 from service.deps import ContextDep
+from service.metrics import CONTENT_TYPE, exposition
 
 log = logging.getLogger("ckpt.service")
 router = APIRouter(tags=["health"])
@@ -93,8 +93,8 @@ def _checks(context: Context) -> dict[str, str]:
     },
 )
 def metrics(context: ContextDep) -> Response:
-    """Prometheus metrics of this process."""
-    return Response(generate_latest(context.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    """Prometheus metrics of the server: of all its processes, whichever one answers."""
+    return Response(exposition(context.metrics), media_type=CONTENT_TYPE)
 
 
 def steady_collector() -> None:

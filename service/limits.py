@@ -219,7 +219,6 @@ class Limits:
         self.app = app
         self.limits = limits
         self.metrics = metrics
-        metrics.bulk_in_flight.set_function(lambda: limits.bulk_in_flight)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = _limited(scope)
@@ -240,6 +239,7 @@ class Limits:
         if ticket == NOTHING:
             await self.app(scope, receive, send)
             return
+        self.metrics.bulk_in_flight.set(self.limits.bulk_in_flight)
         # Counted out as soon as the response is sent: the client's next request may come
         # before this call returns, and must not find itself still in flight.
         released = False
@@ -249,6 +249,7 @@ class Limits:
             if not released:
                 released = True
                 self.limits.release(key, ticket)
+                self.metrics.bulk_in_flight.set(self.limits.bulk_in_flight)
 
         async def sending(message: Message) -> None:
             await send(message)

@@ -1,8 +1,32 @@
-"""Prometheus metrics of one control-plane process (``GET /metrics``)."""
+"""Prometheus metrics of the control plane (``GET /metrics``).
+
+One server process keeps them in memory. Several (``ckpt server --workers N``) keep them in
+Prometheus' multiprocess mode: ``ckpt server`` names a fresh directory in
+``PROMETHEUS_MULTIPROC_DIR`` before the workers start, each worker writes its values to its
+own files there, and whichever worker answers ``/metrics`` adds up every worker's files
+(counters and histograms summed, the gauges as each says), so the figures never depend on
+the process that took the scrape. A worker that exits is marked dead: its gauges drop out,
+its counts stay in the sums.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import glob
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+# Set by ``ckpt server`` for its workers; read by prometheus_client when it is imported.
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # From a millisecond (a small state staged in memory) to half an hour (a slow store).
 SAVE_SECONDS_BUCKETS = (
@@ -31,8 +55,9 @@ class Metrics:
         )
         self.bulk_in_flight = Gauge(
             "ckpt_bulk_in_flight",
-            "bulk requests being served (by weight; CKPT_MAX_BULK_IN_FLIGHT at most)",
+            "bulk requests being served (by weight; CKPT_MAX_BULK_IN_FLIGHT at most per process)",
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.refused = Counter(
             "ckpt_requests_refused",
@@ -107,6 +132,7 @@ class Metrics:
             "ckpt_gc_backlog",
             "bundles the GC pass in progress found to delete and has not deleted yet",
             registry=self.registry,
+            multiprocess_mode="livemax",  # one process at a time holds the GC pass
         )
         self.gc_batches = Counter(
             "ckpt_gc_batches",
@@ -158,3 +184,32 @@ class Metrics:
             "bytes the reported saves uploaded (the rest was already in the store)",
             registry=self.registry,
         )
+
+
+def exposition(metrics: Metrics) -> bytes:
+    """The Prometheus text of every server process (see the module's docstring)."""
+    if not os.environ.get(MULTIPROCESS_DIR):
+        return generate_latest(metrics.registry)
+    _forget_killed(os.environ[MULTIPROCESS_DIR])
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return generate_latest(registry)
+
+
+def _forget_killed(directory: str) -> None:
+    """Mark dead the processes whose live gauges are still there: a worker killed
+    (SIGKILL, out of memory) never said it exited, and its gauges would count for ever."""
+    for path in glob.glob(os.path.join(directory, "gauge_live*_*.db")):
+        pid = int(path.rsplit("_", 1)[1].removesuffix(".db"))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        except PermissionError:  # alive, another user's (a reused pid)
+            pass
+
+
+def process_exited(pid: int) -> None:
+    """Drop the gauges of a server process that exited (its counts stay in the sums)."""
+    if os.environ.get(MULTIPROCESS_DIR):
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

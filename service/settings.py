@@ -72,6 +72,10 @@ class Settings:
             bodies..., by weight) the process serves at once, all tokens together, so that
             ``/resumable``, heartbeats and commits keep worker threads and cores
             (``CKPT_MAX_BULK_IN_FLIGHT``, default 16, 0 turns it off). Per replica.
+        priority_threads: worker threads of the process kept for the priority class
+            (``/resumable``, heartbeats, registering an attempt), which no other request
+            takes: they are served while every other thread waits on bulk work
+            (``CKPT_PRIORITY_THREADS``, default 8).
         gc_batch_bundles: how many bundles one GC transaction deletes at most; a pass over
             a larger backlog deletes it in as many short transactions
             (``CKPT_GC_BATCH_BUNDLES``, default 1000).
@@ -103,6 +107,7 @@ class Settings:
     rate_limit_burst: int = 5000
     max_expensive_per_token: int = 8
     max_bulk_in_flight: int = 16
+    priority_threads: int = 8
     gc_batch_bundles: int = 1000
     fingerprint_ring: int = 2048
 
@@ -176,6 +181,10 @@ class Settings:
         if self.max_bulk_in_flight < 0:
             raise ValueError(
                 f"max_bulk_in_flight must be >= 0 (0: no cap), got {self.max_bulk_in_flight}"
+            )
+        if self.priority_threads < 1:
+            raise ValueError(
+                f"priority_threads must be at least 1 thread, got {self.priority_threads}"
             )
         if self.gc_batch_bundles < 1:
             raise ValueError(

@@ -31,6 +31,7 @@ class ServerProcess:
     token: str
     store: str
     log: Path
+    pid: int = 0  # of ``ckpt server`` (with workers: their supervisor)
 
     def client(self) -> httpx.Client:
         return httpx.Client(
@@ -76,8 +77,8 @@ def ckpt_server(
         command = [sys.executable, "-m", "ckpt", "server", "--port", str(port)]
         url = f"http://127.0.0.1:{port}"
         try:
-            with serving(command, env=environment, cwd=root, log=log, url=url):
-                yield ServerProcess(url=url, token=token, store=store, log=log)
+            with serving(command, env=environment, cwd=root, log=log, url=url) as process:
+                yield ServerProcess(url=url, token=token, store=store, log=log, pid=process.pid)
                 return
         except PortTakenError:
             if not tries_left:

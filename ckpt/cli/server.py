@@ -4,6 +4,11 @@ running the control plane and maintaining its catalog."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ckpt.cli.config import (
     CATALOG,
@@ -15,6 +20,9 @@ from ckpt.cli.config import (
     settings,
 )
 from ckpt.core.version import __version__
+
+if TYPE_CHECKING:
+    from service.settings import Settings
 
 SERVER = """
     Run the control plane: the REST API through which training jobs register attempts
@@ -179,6 +187,14 @@ def _server(args: argparse.Namespace) -> int:
     # Each process builds its own app from the same settings (the checks above ran once).
     app.state.context.close()
     print(f"  workers: {current.workers} processes", flush=True)
+    with worker_metrics():
+        _serve_workers(current)
+    return 0
+
+
+def _serve_workers(current: Settings) -> None:
+    import uvicorn
+
     uvicorn.run(
         "service.app:from_environment",
         factory=True,
@@ -194,7 +210,22 @@ def _server(args: argparse.Namespace) -> int:
         # is only slow would be killed mid-request; a hung worker is the liveness probe's.
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
     )
-    return 0
+
+
+@contextlib.contextmanager
+def worker_metrics() -> Iterator[None]:
+    """A fresh directory for the workers' metrics (``service.metrics``), named in
+    ``PROMETHEUS_MULTIPROC_DIR`` before they start (they read it when they import
+    prometheus_client), and removed with what they wrote when the server stops: a count
+    of an earlier server must never add to this one's."""
+    from service.metrics import MULTIPROCESS_DIR
+
+    with tempfile.TemporaryDirectory(prefix="ckpt-metrics-") as directory:
+        os.environ[MULTIPROCESS_DIR] = directory
+        try:
+            yield
+        finally:
+            del os.environ[MULTIPROCESS_DIR]
 
 
 def port_free(host: str, port: int) -> None:

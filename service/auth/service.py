@@ -64,7 +64,7 @@ def authenticate(
     token = token.strip()
     if _is_admin(token, admin_tokens):
         return Principal(name="admin", role=Role.ADMIN)
-    with context.transaction() as session:
+    with context.read() as session:
         found = repository.find_token(session, token_hash=hash_token(token))
         if found is None:
             raise UnauthorizedError("unknown or revoked token")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Select, and_, bindparam, case, func, select, update
@@ -16,15 +17,11 @@ from service.models import NEW, TRAINING, Attempt, Bundle, EndReason, Run, RunAc
 from service.sql import insert
 
 
-def refresh_activity(session: Session, *, run_ids: Iterable[int], settle: bool = True) -> None:
+def refresh_activity(session: Session, *, run_ids: Iterable[int]) -> None:
     """Bring the runs' ``run_activity`` rows up to date with their attempts (creating them if
-    absent): every write to attempts calls it, in its own transaction.
-
-    ``settle`` sums the figures of all the run's attempts again, and counts its bundles (a
-    registration, an end, an attempt marked lost: once per attempt or so); without it (a
-    heartbeat of the newest attempt) only the newest attempt's own part changes, in
-    constant time.
-    """
+    absent), summing the figures of all each run's attempts again and counting its bundles:
+    every write to attempts but a heartbeat calls it (a registration, an end, an attempt
+    marked lost: once per attempt or so), in its own transaction."""
     for run_id in sorted(set(run_ids)):
         newest = session.execute(_newest_attempt(run_id)).first()
         if newest is None:
@@ -34,34 +31,57 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int], settle: bool =
                 session, run_id, state=NEW, active_at=created, bundles=bundles, **NO_FIGURES
             )
             continue
-        ended_at, reason, heartbeat_at, started_at, last_step, start = newest
-        state = TRAINING if ended_at is None else reason
-        active_at = ended_at or heartbeat_at or started_at
-        own = max(0, (last_step if last_step is not None else start) - start)
-        if settle:
-            attempts, preemptions, lost, earlier = session.execute(
-                _settled_figures(), {"run_id": run_id}
-            ).one()
-            figures = {
-                "bundles": _count_bundles(session, run_id),
-                "attempts": attempts,
-                "preemptions": int(preemptions or 0),
-                "steps_lost": int(lost or 0),
-                "earlier_steps_computed": int(earlier or 0),
-                "steps_computed": int(earlier or 0) + own,
-            }
-            _upsert_activity(session, run_id, state=state, active_at=active_at, **figures)
-        else:
-            session.execute(
-                update(RunActivity)
-                .where(RunActivity.run_id == run_id)
-                .values(
-                    state=state,
-                    active_at=active_at,
-                    steps_computed=RunActivity.earlier_steps_computed + own,
-                    writes=RunActivity.writes + 1,
-                )
-            )
+        state, active_at, own = _newest_figures(*newest)
+        attempts, preemptions, lost, earlier = session.execute(
+            _settled_figures(), {"run_id": run_id}
+        ).one()
+        figures = {
+            "bundles": _count_bundles(session, run_id),
+            "attempts": attempts,
+            "preemptions": int(preemptions or 0),
+            "steps_lost": int(lost or 0),
+            "earlier_steps_computed": int(earlier or 0),
+            "steps_computed": int(earlier or 0) + own,
+        }
+        _upsert_activity(session, run_id, state=state, active_at=active_at, **figures)
+
+
+def beat_activity(session: Session, attempt: Attempt, *, start: int) -> None:
+    """After a heartbeat of the run's newest ``attempt`` (resumed from step ``start``),
+    which the caller holds: only that attempt's own part changes, in one UPDATE."""
+    state, active_at, own = _newest_figures(
+        attempt.ended_at,
+        attempt.end_reason,
+        attempt.heartbeat_at,
+        attempt.started_at,
+        attempt.last_step,
+        start,
+    )
+    session.execute(
+        update(RunActivity)
+        .where(RunActivity.run_id == attempt.run_id)
+        .values(
+            state=state,
+            active_at=active_at,
+            steps_computed=RunActivity.earlier_steps_computed + own,
+            writes=RunActivity.writes + 1,
+        )
+    )
+
+
+def _newest_figures(  # noqa: PLR0917 (the columns of _newest_attempt, in order)
+    ended_at: datetime | None,
+    reason: str | None,
+    heartbeat_at: datetime | None,
+    started_at: datetime,
+    last_step: int | None,
+    start: int,
+) -> tuple[str, datetime, int]:
+    """The run's state, last activity and its newest attempt's steps, from that attempt."""
+    state = TRAINING if ended_at is None else reason
+    assert state is not None
+    active_at = ended_at or heartbeat_at or started_at
+    return state, active_at, max(0, (last_step if last_step is not None else start) - start)
 
 
 NO_FIGURES = {

@@ -18,7 +18,7 @@ from service.errors import ConflictError, FencedError, InvalidRequestError, NotF
 from service.metrics import Metrics
 from service.models import Attempt, Bundle, EndReason, Run, utcnow
 from service.runs import fingerprints, repository
-from service.runs.activity import refresh_activity
+from service.runs.activity import beat_activity, refresh_activity
 from service.runs.roll_forward import roll_forward
 from service.runs.schemas import (
     AttemptCreate,
@@ -30,7 +30,6 @@ from service.runs.schemas import (
     Heartbeat,
 )
 from service.runs.service import attempt_node, attempt_out, resumable_bundle, resume_point
-from service.sql import Lock
 
 log = logging.getLogger("ckpt.runs")
 
@@ -75,10 +74,10 @@ def heartbeat(
     context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
 ) -> AttemptOut:
     with context.transaction() as session:
-        attempt, run = locked_attempt(session, principal, attempt_id)
+        attempt, run, start = locked_attempt(session, principal, attempt_id)
         check_unfenced(attempt, run)
         if beat.step is not None:
-            _check_advance(session, attempt, beat.step, limit=context.settings.max_step_advance)
+            _check_advance(attempt, beat.step, start=start, limit=context.settings.max_step_advance)
         attempt.heartbeat_at = utcnow()
         repository.beat_rank(
             session, attempt_id=attempt.id, rank=beat.rank, at=attempt.heartbeat_at
@@ -103,8 +102,9 @@ def heartbeat(
             session, attempt_id=attempt.id, silent_since=silent_since
         ):  # it was alive after all (a partition), every rank of it
             attempt.ended_at = attempt.end_reason = None
-        refresh_activity(session, run_ids=[run.id], settle=False)
-        # Not fenced, so no successor has registered: nothing is lost yet.
+        # Not fenced: the run's newest attempt, and no successor has registered, so nothing
+        # is lost yet.
+        beat_activity(session, attempt, start=start)
         return attempt_out(attempt, run, steps_lost=None)
 
 
@@ -115,13 +115,13 @@ def end_attempt(
     attempt marked lost that reports its end was alive after all: its report replaces the
     verdict."""
     with context.transaction() as session:
-        attempt, run = locked_attempt(session, principal, attempt_id)
+        attempt, run, start = locked_attempt(session, principal, attempt_id)
         if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
             if attempt.end_reason == end.reason:
                 return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
             raise ConflictError(f"attempt {attempt_id} already ended ({attempt.end_reason})")
         if end.step is not None:
-            _check_advance(session, attempt, end.step, limit=context.settings.max_step_advance)
+            _check_advance(attempt, end.step, start=start, limit=context.settings.max_step_advance)
         before = _steps_lost(session, attempt)
         attempt.ended_at = utcnow()
         attempt.end_reason = end.reason
@@ -145,9 +145,10 @@ def notice(
     attempt was fenced or ended too: it is history); a later one is logged, not kept."""
     text = f"{notice.cloud} {notice.kind}" + (f": {notice.detail}" if notice.detail else "")
     with context.transaction() as session:
-        attempt, run = locked_attempt(session, principal, attempt_id)
+        attempt, run, start = locked_attempt(session, principal, attempt_id)
         if notice.step is not None and attempt.ended_at is None:
-            _check_advance(session, attempt, notice.step, limit=context.settings.max_step_advance)
+            limit = context.settings.max_step_advance
+            _check_advance(attempt, notice.step, start=start, limit=limit)
             attempt.last_step = max(attempt.last_step or 0, notice.step)
         first = attempt.notice_at is None
         if first:
@@ -190,17 +191,19 @@ def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
     return [attempt.id for attempt in lost]
 
 
-def locked_attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
+def locked_attempt(
+    session: Session, principal: Principal, attempt_id: int
+) -> tuple[Attempt, Run, int]:
     """The attempt locked for a change, its run share-locked: the run first, as every
-    other write locks (opening a bundle locks the run, then references the attempt)."""
-    found = repository.get_attempt(session, attempt_id=attempt_id)
-    if found is None:
+    other write locks (opening a bundle locks the run, then references the attempt); and
+    the step it resumed from (0: it started fresh). Two statements."""
+    run = repository.get_attempt_run(session, attempt_id=attempt_id)
+    if run is None:
         raise NotFoundError(f"no attempt with id {attempt_id}")
-    run = repository.get_run_by_id(session, run_id=found.run_id, lock=Lock.SHARE)
     require_write(principal, run.name)
-    attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
-    assert attempt is not None
-    return attempt, run
+    found = repository.get_attempt_to_change(session, attempt_id=attempt_id)
+    assert found is not None
+    return found[0], run, found[1]
 
 
 def check_unfenced(attempt: Attempt, run: Run) -> None:
@@ -213,12 +216,11 @@ def check_unfenced(attempt: Attempt, run: Run) -> None:
         )
 
 
-def _check_advance(session: Session, attempt: Attempt, step: int, *, limit: int) -> None:
+def _check_advance(attempt: Attempt, step: int, *, start: int, limit: int) -> None:
     """A reported step at most ``limit`` ahead of what the attempt is known to have reached:
-    its last reported step, else the step it resumed from, else 0. Steps feed counters
-    (steps lost), so a typo or a hostile client must not inflate them."""
-    resumed = session.get(Bundle, attempt.resumed_from_id) if attempt.resumed_from_id else None
-    known = max(attempt.last_step or 0, resumed.step if resumed else 0)
+    its last reported step, else the step it resumed from (``start``), else 0. Steps feed
+    counters (steps lost), so a typo or a hostile client must not inflate them."""
+    known = max(attempt.last_step or 0, start)
     if step > known + limit:
         raise InvalidRequestError(
             f"step {step} is more than {limit} steps (CKPT_MAX_STEP_ADVANCE) ahead of step "

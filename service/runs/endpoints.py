@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.deps import ContextDep, IdPath, PrincipalDep, RunPath
+from service.deps import ContextDep, IdPath, PrincipalDep, PriorityDep, RunPath
 from service.errors import (
     ConflictError,
     FencedError,
@@ -85,20 +86,18 @@ def patch_run(
     status_code=201,
     responses=responses(ForbiddenError, InvalidRequestError),
 )
-def register_attempt(
-    run: RunPath, request: AttemptCreate, principal: PrincipalDep, context: ContextDep
+async def register_attempt(
+    run: RunPath, request: AttemptCreate, priority: PriorityDep
 ) -> AttemptRegistered:
     """Register an attempt and get what it resumes from; fences every older attempt."""
-    return attempts.register_attempt(context, principal, name=run, request=request)
+    return await priority.serve(partial(attempts.register_attempt, name=run, request=request))
 
 
 @router.post("/attempts/{attempt}/heartbeat", responses=responses(*ONE, FencedError))
-def heartbeat(
-    attempt: IdPath, beat: Heartbeat, principal: PrincipalDep, context: ContextDep
-) -> AttemptOut:
+async def heartbeat(attempt: IdPath, beat: Heartbeat, priority: PriorityDep) -> AttemptOut:
     """Report that the attempt is alive (and its step); 409 once it is fenced. An attempt
     marked lost that heartbeats again is alive again."""
-    return attempts.heartbeat(context, principal, attempt_id=attempt, beat=beat)
+    return await priority.serve(partial(attempts.heartbeat, attempt_id=attempt, beat=beat))
 
 
 @router.post("/attempts/{attempt}/notice", responses=responses(*ONE))
@@ -148,9 +147,9 @@ def end_attempt(
 
 
 @router.get("/runs/{run}/resumable", responses=responses(*ONE))
-def resumable(run: RunPath, principal: PrincipalDep, context: ContextDep) -> ResumePoint:
+async def resumable(run: RunPath, priority: PriorityDep) -> ResumePoint:
     """The latest resumable bundle of the run's live branch; 404 when there is none."""
-    return service.resumable(context, principal, name=run)
+    return await priority.serve(partial(service.resumable, name=run))
 
 
 @router.get("/runs/{run}/lineage", responses=responses(*ONE))

@@ -50,7 +50,7 @@ def verify(
     """Record the attempt's verdict on its resume (a second report replaces the first);
     counted, and logged (a divergence loudly), at the first."""
     with context.transaction() as session:
-        attempt, run = locked_attempt(session, principal, attempt_id)
+        attempt, run, _ = locked_attempt(session, principal, attempt_id)
         check_unfenced(attempt, run)
         source = verification.from_attempt_id
         if source is not None:

@@ -32,6 +32,16 @@ def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | Non
     return session.scalar(locked(select(Run).where(Run.name == name), lock))
 
 
+def get_run_and_head(session: Session, *, name: str) -> tuple[Run, Bundle | None] | None:
+    """The run and its head bundle, in one statement."""
+    found = session.execute(
+        select(Run, Bundle)
+        .outerjoin(Bundle, Bundle.id == Run.head_bundle_id)
+        .where(Run.name == name)
+    ).first()
+    return (found[0], found[1]) if found else None
+
+
 def get_run_by_id(session: Session, *, run_id: int, lock: Lock = Lock.NONE) -> Run:
     run = session.scalar(locked(select(Run).where(Run.id == run_id), lock))
     assert run is not None, f"run {run_id} vanished"
@@ -143,6 +153,28 @@ def add_attempt(
 
 def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) -> Attempt | None:
     return session.scalar(locked(select(Attempt).where(Attempt.id == attempt_id), lock))
+
+
+def get_attempt_run(session: Session, *, attempt_id: int) -> Run | None:
+    """The attempt's run, share-locked (the attempt's row is not locked)."""
+    return session.scalar(
+        select(Run)
+        .join(Attempt, Attempt.run_id == Run.id)
+        .where(Attempt.id == attempt_id)
+        .with_for_update(read=True, of=Run)
+    )
+
+
+def get_attempt_to_change(session: Session, *, attempt_id: int) -> tuple[Attempt, int] | None:
+    """The attempt locked for a change of its non-key columns, and the step it resumed from
+    (0: it started fresh)."""
+    found = session.execute(
+        select(Attempt, func.coalesce(Bundle.step, 0))
+        .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
+        .where(Attempt.id == attempt_id)
+        .with_for_update(key_share=True, of=Attempt)
+    ).first()
+    return (found[0], found[1]) if found else None
 
 
 def run_attempts(session: Session, *, run_id: int) -> list[Attempt]:

@@ -113,9 +113,12 @@ def rollback(
 
 def resumable(context: Context, principal: Principal, *, name: str) -> ResumePoint:
     require_read(principal, name)
-    with context.transaction() as session:
-        run = _run(session, name)
-        point = resume_point(resumable_bundle(session, run))
+    with context.read() as session:
+        found = repository.get_run_and_head(session, name=name)
+        if found is None:
+            raise NotFoundError(f"no run named {name!r}")
+        run, head = found
+        point = resume_point(resumable_bundle(session, run, head=head))
         if point is None:
             raise NotFoundError(
                 f"run {name!r} has no resumable bundle yet: no bundle of its live branch is "
@@ -253,12 +256,11 @@ def node(bundle: Bundle | Row[Any]) -> Node:
     )
 
 
-def catalog_nodes(session: Session, *, whole: bool = False) -> Callable[[int], Node | None]:
+def catalog_nodes(session: Session) -> Callable[[int], Node | None]:
     """Look bundles up one by one (the session caches them): walks from the head read only
-    the bundles they pass, not the whole run, and of those only what a node holds unless
-    ``whole`` (not the manifest: a commit of 1,000 blobs spent 13% of its time decoding the
-    head's)."""
-    options = [] if whole else [load_only(*_NODE_COLUMNS)]
+    the bundles they pass, not the whole run, and of those only what a node holds (not the
+    manifest: a commit of 1,000 blobs spent 13% of its time decoding the head's)."""
+    options = [load_only(*_NODE_COLUMNS)]
 
     def lookup(bundle_id: int) -> Node | None:
         bundle = session.get(Bundle, bundle_id, options=options)
@@ -267,10 +269,20 @@ def catalog_nodes(session: Session, *, whole: bool = False) -> Callable[[int], N
     return lookup
 
 
-def resumable_bundle(session: Session, run: Run) -> Bundle | None:
-    """The newest complete bundle of the run's live branch (the walk loads it whole)."""
-    found = lineage.resumable(run.head_bundle_id, catalog_nodes(session, whole=True))
-    return session.get(Bundle, found.id) if found else None
+def resumable_bundle(session: Session, run: Run, *, head: Bundle | None = None) -> Bundle | None:
+    """The newest complete bundle of the run's live branch (the walk loads each bundle it
+    passes whole, once: ``head``, when the caller read it already, is not read again)."""
+    passed = {head.id: head} if head else {}
+
+    def lookup(bundle_id: int) -> Node | None:
+        bundle = passed.get(bundle_id) or session.get(Bundle, bundle_id)
+        if bundle is None:
+            return None
+        passed[bundle_id] = bundle  # held: the session's identity map holds it weakly
+        return node(bundle)
+
+    found = lineage.resumable(run.head_bundle_id, lookup)
+    return passed[found.id] if found else None
 
 
 def run_out(session: Session, run: Run) -> RunOut:
