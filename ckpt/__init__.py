@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from agent.data.sampling import PerSampleRNG, ResumableSampler
     from agent.restore.resume import ResumeResult
     from agent.save.result import PendingSave, SaveResult
+    from agent.verify.compare import Verdict, Verification
     from ckpt.core.contract import Layer
     from ckpt.core.errors import (
         BundleExistsError,
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
         CorruptBundleError,
         FencedError,
         IncompatibleBundleError,
+        ResumeDivergedError,
         SaveLostError,
         StateChangedError,
         StoreAccessError,
@@ -49,6 +51,8 @@ _EXPORTS = {
     "Counters": "agent.counters",
     "PerSampleRNG": "agent.data.sampling",
     "ResumableSampler": "agent.data.sampling",
+    "Verdict": "agent.verify.compare",
+    "Verification": "agent.verify.compare",
     "Layer": "ckpt.core.contract",
     "BundleExistsError": "ckpt.core.errors",
     "BundleFormatError": "ckpt.core.errors",
@@ -56,6 +60,7 @@ _EXPORTS = {
     "ControlPlaneError": "ckpt.core.errors",
     "CorruptBundleError": "ckpt.core.errors",
     "FencedError": "ckpt.core.errors",
+    "ResumeDivergedError": "ckpt.core.errors",
     "SaveLostError": "ckpt.core.errors",
     "IncompatibleBundleError": "ckpt.core.errors",
     "StateChangedError": "ckpt.core.errors",
@@ -80,6 +85,7 @@ __all__ = [
     "PendingSave",
     "PerSampleRNG",
     "ResumableSampler",
+    "ResumeDivergedError",
     "ResumeResult",
     "SaveLostError",
     "SaveResult",
@@ -87,6 +93,8 @@ __all__ = [
     "StoreAccessError",
     "StoreError",
     "UnrepresentableStateError",
+    "Verdict",
+    "Verification",
     "__version__",
 ]
 assert sorted(__all__) == sorted(_EXPORTS)

@@ -7,6 +7,7 @@
     ├── IncompatibleBundleError    restore: the bundle does not fit the objects it is restored into
     ├── BundleExistsError          save: store-only, a resumable bundle at this position that this process did not resume past
     ├── RankError                  the ranks of a job could not meet, or disagree (a step, a result)
+    ├── ResumeDivergedError        a resume's replayed steps differ from the interrupted attempt's (CKPT_VERIFY_STOP)
     ├── StoreError                 the object store failed to read or write a key
     │   ├── BadObjectError         the store answered: no such key, or an object too large
     │   └── StoreAccessError       no credentials for the store, or it refused them: not retried
@@ -59,6 +60,11 @@ class BundleExistsError(CkptError):
 class RankError(CkptError):
     """The ranks of a job could not meet in time (a rank died or hangs), or disagree on what
     they must agree on (the step of a save)."""
+
+
+class ResumeDivergedError(CkptError):
+    """The steps a resumed attempt replayed differ from what the interrupted attempt computed
+    (raised only with ``CKPT_VERIFY_STOP``; else a warning): the resume is not bit-exact."""
 
 
 class StoreError(CkptError):
