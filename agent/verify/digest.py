@@ -40,8 +40,8 @@ class ParamSample:
         ]
 
     def take(self) -> torch.Tensor | None:
-        """The sampled elements now, as float64 (exact for every float dtype), on the
-        parameters' device: reading them back is left to whoever digests them."""
+        """The sampled elements now, on the parameters' device (one ``take`` per parameter
+        and one ``cat``): reading them back and converting them is left to ``digest``."""
         if not self._picks:
             return None
         with torch.no_grad():
@@ -51,14 +51,14 @@ class ParamSample:
                 if index.device != local.device:  # the model moved: once
                     index = index.to(local.device)
                     self._picks[number] = (param, index)
-                pieces.append(torch.take(local, index).to(torch.float64))
-            return torch.cat(pieces)
+                pieces.append(torch.take(local, index))
+            return torch.cat(pieces)  # a new tensor: the next step does not change it
 
 
 def digest(sample: torch.Tensor) -> dict[str, str]:
     """A sample's parts of a fingerprint: its bytes' BLAKE2b (bit-exact) and its L2 norm as
     ``float.hex`` (for the tolerance mode)."""
-    values = sample.detach().to("cpu").contiguous()
+    values = sample.detach().to("cpu", torch.float64).contiguous()  # exact for every float
     hashed = hashlib.blake2b(values.numpy().tobytes(), digest_size=16).hexdigest()
     return {"params": hashed, "params_norm": float(values.norm()).hex()}
 

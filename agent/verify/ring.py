@@ -41,14 +41,14 @@ class Ring:
     ) -> None:
         """Keep what was computed at ``place`` (merged with what is kept there already)."""
         if isinstance(loss, torch.Tensor):
-            loss = loss.detach().clone()  # a 0-d copy; read back when digested
+            loss = loss.detach()  # read back when digested
         with self._lock:
             entry = self._entries.setdefault(place, _Entry())
             entry.sample = entry.sample if sample is None else sample
             entry.loss = entry.loss if loss is None else loss
             entry.made = None
-            while len(self._entries) > self._capacity:
-                del self._entries[min(self._entries)]
+            while len(self._entries) > self._capacity:  # positions come in order: the oldest
+                del self._entries[next(iter(self._entries))]
             self.version += 1
 
     def drop_through(self, place: Place) -> None:

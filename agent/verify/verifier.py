@@ -66,6 +66,7 @@ class Verifier:
         self._by_step = not optimizers  # without optimizers: a new step is a new state
         self._pending_step = False
         self._last_step: int | None = None
+        self._dropped: Position | None = None  # the durable position the ring forgot up to
         self._expected: list[Fingerprint] = []  # the dead attempt's fingerprints this rank replays
         self._window_end: Place | None = None  # the ranks' newest such position
         self._from_attempt: int | None = None
@@ -81,8 +82,9 @@ class Verifier:
             return
         place = (position.step, position.micro_step)
         durable = self._durable()
-        if durable is not None:
+        if durable is not None and durable != self._dropped:
             self.ring.drop_through((durable.step, durable.micro_step))
+            self._dropped = durable
         stepped = self._pending_step or (self._by_step and position.step != self._last_step)
         self._pending_step, self._last_step = False, position.step
         sample = self._sample.take() if stepped else None
