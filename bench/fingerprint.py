@@ -55,7 +55,7 @@ JOBS = {"readme": (readme_job, 50), "1gb": (big_job, 2)}  # optimizer steps per 
 
 def steps(ckpt: Checkpointer, job: tuple, count: int, *, report: bool) -> list[float]:
     """``count`` optimizer steps of ``ACCUMULATION`` micro-batches; each one's seconds."""
-    model, optimizer, loss_of = job
+    _, optimizer, loss_of = job
     counters, times = ckpt.counters, []
     for _ in range(count):
         started = time.perf_counter()

@@ -43,7 +43,9 @@ class Ring:
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()  # read back when digested
         with self._lock:
-            entry = self._entries.setdefault(place, _Entry())
+            entry = self._entries.get(place)
+            if entry is None:
+                entry = self._entries[place] = _Entry()
             entry.sample = entry.sample if sample is None else sample
             entry.loss = entry.loss if loss is None else loss
             entry.made = None

@@ -80,16 +80,22 @@ class Verifier:
         optimizer stepped since the last position."""
         if self._mode is None:
             return
-        place = (position.step, position.micro_step)
+        if self._pending_step or (self._by_step and position.step != self._last_step):
+            self._pending_step, self._last_step = False, position.step
+            self._forget_durable()
+            sample = self._sample.take()
+        elif loss is None:
+            return  # nothing to keep: the common case of maybe_save between optimizer steps
+        else:
+            sample = None
+        self.ring.record((position.step, position.micro_step), sample=sample, loss=loss)
+
+    def _forget_durable(self) -> None:
+        """Drop the positions up to the newest durable bundle (no resume goes before it)."""
         durable = self._durable()
         if durable is not None and durable != self._dropped:
             self.ring.drop_through((durable.step, durable.micro_step))
             self._dropped = durable
-        stepped = self._pending_step or (self._by_step and position.step != self._last_step)
-        self._pending_step, self._last_step = False, position.step
-        sample = self._sample.take() if stepped else None
-        if sample is not None or loss is not None:
-            self.ring.record(place, sample=sample, loss=loss)
 
     def at(self, position: Position) -> None:
         """The loop reached ``position`` on every rank (``maybe_save``): fingerprint it, and
