@@ -10,6 +10,8 @@ keep-alive connection and printed as p50 / p99 next to ``GET /healthz`` on the s
 
 - ``GET /v1/runs/{run}/resumable``: the latest resumable bundle with its manifest
 - ``POST /v1/runs/{run}/attempts``: register an attempt + the resume decision
+- ``POST /v1/attempts/{id}/heartbeat`` bare and with 20 fingerprints (a ring already full
+  at its 2,048, so each beat also prunes 20), timed in turn
 - one whole save of one rank: open + 6 x record + commit (blob verification included)
 - the commit alone of ``--commit-repeat`` bundles of ``--commit-blobs`` new blobs (1,000 by
   default) of 4 KiB, then of 256 KiB, then of as many sizes (4 KiB + n bytes, as a model's
@@ -52,6 +54,46 @@ def timed(action: Callable[[], object], repeat: int) -> tuple[float, float]:
         samples.append(time.perf_counter() - started)
     samples.sort()
     return statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+
+
+def timed_in_turn(actions: dict[str, Callable[[], object]], repeat: int) -> dict[str, Any]:
+    """``timed`` for several actions, one sample of each in turn: the machine's load
+    weighs on them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in actions}
+    for _ in range(repeat):
+        for name, action in actions.items():
+            started = time.perf_counter()
+            action()
+            samples[name].append(time.perf_counter() - started)
+    return {
+        name: (statistics.median(found), sorted(found)[int(len(found) * 0.99) - 1])
+        for name, found in samples.items()
+    }
+
+
+def heartbeats(client: httpx.Client, run: str, repeat: int) -> dict[str, Any]:
+    """A bare heartbeat and one with 20 fingerprints, the attempt's ring full (2,048)."""
+    attempt = register(client, run)["attempt_id"]
+    steps = iter(range(1, 10**9))
+
+    def beat(count: int) -> None:
+        prints = [
+            {
+                "step": next(steps),
+                "loss": 2.5,
+                "parts": {"params": "ab" * 32, "grad_norm": "0x1.8p+1"},
+            }
+            for _ in range(count)
+        ]
+        beating = client.post(f"/v1/attempts/{attempt}/heartbeat", json={"fingerprints": prints})
+        beating.raise_for_status()
+
+    for _ in range(4):
+        beat(512)
+    return timed_in_turn(
+        {"POST heartbeat": lambda: beat(0), "POST heartbeat + 20 fingerprints": lambda: beat(20)},
+        repeat,
+    )
 
 
 def populate(client: httpx.Client, store: DirectoryStore, run: str, bundles: int) -> None:
@@ -126,6 +168,7 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
                 args.repeat,
             ),
         }
+        rows.update(heartbeats(client, run, args.repeat))
         steps = iter(range(args.bundles + 1, 10**9))
         attempt = register(client, run)
         rows["save: open+6 record+commit"] = timed(

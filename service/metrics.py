@@ -80,6 +80,15 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self.resume_verifications = Counter(
+            "ckpt_resume_verifications",
+            "resumed attempts' verdicts on the steps they replayed (verified, diverged, "
+            "unverifiable), counted once per attempt",
+            ["verdict"],
+            registry=self.registry,
+        )
+        for verdict in ("verified", "diverged", "unverifiable"):  # exported from 0
+            self.resume_verifications.labels(verdict=verdict)
         self.fenced = Counter(
             "ckpt_fenced_writes", "writes refused from fenced attempts", registry=self.registry
         )

@@ -75,6 +75,8 @@ class Settings:
         gc_batch_bundles: how many bundles one GC transaction deletes at most; a pass over
             a larger backlog deletes it in as many short transactions
             (``CKPT_GC_BATCH_BUNDLES``, default 1000).
+        fingerprint_ring: how many fingerprints (one per step) the catalog keeps of each rank
+            of each attempt: its newest positions (``CKPT_FINGERPRINT_RING``, default 2048).
     """
 
     database_url: str = "sqlite:///.ckpt/catalog.db"
@@ -102,6 +104,7 @@ class Settings:
     max_expensive_per_token: int = 8
     max_bulk_in_flight: int = 16
     gc_batch_bundles: int = 1000
+    fingerprint_ring: int = 2048
 
     def __post_init__(self) -> None:
         for name in (
@@ -177,6 +180,11 @@ class Settings:
         if self.gc_batch_bundles < 1:
             raise ValueError(
                 f"gc_batch_bundles must be at least 1 bundle, got {self.gc_batch_bundles}"
+            )
+        if self.fingerprint_ring < 1:
+            raise ValueError(
+                "fingerprint_ring must be at least 1 (fingerprints kept per rank of an "
+                f"attempt), got {self.fingerprint_ring}"
             )
 
     @property

@@ -2,7 +2,8 @@
 that the migrations and these models agree.
 
     run ──< attempt ──< bundle ──< layer ──< layer_blob >── blob
-             └──< attempt_rank (each rank's last heartbeat)
+             ├──< attempt_rank (each rank's last heartbeat)
+             └──< fingerprint (what each rank computed at each step: resumes compare)
      │                    │ parent_id (lineage), run.head_bundle_id (the live branch's head)
      └──< rollback        ├ attempt.resumed_from_id (resume edges)
                           ├──< save (what each rank's save of it cost)
@@ -11,7 +12,7 @@ that the migrations and these models agree.
     maintenance_pass (each pass of garbage collection or the scrubber, by replica)
 
 One module per domain, as ``service/`` has one package per domain: ``runs`` (run,
-run_activity, attempt, attempt_rank, rollback), ``bundles`` (bundle, layer, save,
+run_activity, attempt, attempt_rank, fingerprint, rollback), ``bundles`` (bundle, layer, save,
 layer_blob, blob), ``events`` (bundle_event), ``auth`` (token, ui_session),
 ``maintenance`` (maintenance_pass); ``base`` holds what they share. Import the names from
 here: importing ``service.models`` puts every table in ``Base.metadata``, which Alembic and
@@ -31,6 +32,7 @@ from service.models.runs import (
     Attempt,
     AttemptRank,
     EndReason,
+    Fingerprint,
     Rollback,
     Run,
     RunActivity,
@@ -49,6 +51,7 @@ __all__ = [
     "BundleEvent",
     "BundleStatus",
     "EndReason",
+    "Fingerprint",
     "Layer",
     "LayerBlob",
     "MaintenancePass",

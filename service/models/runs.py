@@ -1,12 +1,14 @@
-"""The tables of runs: the run, its derived ``run_activity``, its attempts and their ranks,
-and its rollbacks; and the end reasons of an attempt."""
+"""The tables of runs: the run, its derived ``run_activity``, its attempts, their ranks and
+the fingerprints of their steps, and its rollbacks; and the end reasons of an attempt."""
 
 from __future__ import annotations
 
 import enum
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Boolean,
     CheckConstraint,
@@ -117,6 +119,9 @@ class Attempt(Base):
     stall_seconds: Mapped[float | None] = mapped_column(Float)
     train_seconds: Mapped[float | None] = mapped_column(Float)
     steps_trained: Mapped[int | None] = mapped_column(BigInteger)
+    # Whether its resume replayed the steps its predecessor computed bit for bit, as its
+    # rank 0 reported (runs.schemas.Verification); None: not reported.
+    verification: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class AttemptRank(Base):
@@ -131,6 +136,28 @@ class AttemptRank(Base):
     )
     rank: Mapped[int] = mapped_column(primary_key=True)
     heartbeat_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class Fingerprint(Base):
+    """What one rank of an attempt computed at one training position (step, micro step):
+    the loss it reported and digests of its state, opaque here. An attempt that resumes
+    before that position replays it and compares; a ring keeps each (attempt, rank)'s
+    newest ``CKPT_FINGERPRINT_RING``."""
+
+    __tablename__ = "fingerprint"
+    __table_args__ = (
+        CheckConstraint("rank >= 0", name="rank"),
+        CheckConstraint("step >= 0 AND micro_step >= 0", name="position"),
+    )
+
+    attempt_id: Mapped[int] = mapped_column(
+        ForeignKey("attempt.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    micro_step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    loss: Mapped[float | None] = mapped_column(Float)
+    parts: Mapped[dict[str, str]] = mapped_column(JSON)
 
 
 class Rollback(Base):

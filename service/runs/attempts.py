@@ -17,7 +17,7 @@ from service.context import Context
 from service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
 from service.metrics import Metrics
 from service.models import Attempt, Bundle, EndReason, Run, utcnow
-from service.runs import repository
+from service.runs import fingerprints, repository
 from service.runs.activity import refresh_activity
 from service.runs.roll_forward import roll_forward
 from service.runs.schemas import (
@@ -75,13 +75,8 @@ def heartbeat(
     context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
 ) -> AttemptOut:
     with context.transaction() as session:
-        attempt, run = _attempt(session, principal, attempt_id)
-        if attempt.epoch != run.epoch:
-            raise FencedError(
-                f"attempt {attempt_id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
-                f"epoch {run.epoch}; stop writing and exit",
-                run_epoch=run.epoch,
-            )
+        attempt, run = locked_attempt(session, principal, attempt_id)
+        check_unfenced(attempt, run)
         if beat.step is not None:
             _check_advance(session, attempt, beat.step, limit=context.settings.max_step_advance)
         attempt.heartbeat_at = utcnow()
@@ -92,6 +87,14 @@ def heartbeat(
             attempt.last_step = beat.step
         if beat.time is not None:
             _account(context.metrics, attempt, beat.time)
+        if beat.fingerprints:
+            fingerprints.keep(
+                session,
+                attempt_id=attempt.id,
+                rank=beat.rank,
+                rows=[f.model_dump() for f in beat.fingerprints],
+                ring=context.settings.fingerprint_ring,
+            )
         if beat.interval_seconds is not None:
             attempt.interval_seconds = beat.interval_seconds
             attempt.waste_seconds_per_hour = beat.waste_seconds_per_hour
@@ -112,7 +115,7 @@ def end_attempt(
     attempt marked lost that reports its end was alive after all: its report replaces the
     verdict."""
     with context.transaction() as session:
-        attempt, run = _attempt(session, principal, attempt_id)
+        attempt, run = locked_attempt(session, principal, attempt_id)
         if attempt.ended_at is not None and attempt.end_reason != EndReason.LOST:
             if attempt.end_reason == end.reason:
                 return attempt_out(attempt, run, steps_lost=_steps_lost(session, attempt))
@@ -142,7 +145,7 @@ def notice(
     attempt was fenced or ended too: it is history); a later one is logged, not kept."""
     text = f"{notice.cloud} {notice.kind}" + (f": {notice.detail}" if notice.detail else "")
     with context.transaction() as session:
-        attempt, run = _attempt(session, principal, attempt_id)
+        attempt, run = locked_attempt(session, principal, attempt_id)
         if notice.step is not None and attempt.ended_at is None:
             _check_advance(session, attempt, notice.step, limit=context.settings.max_step_advance)
             attempt.last_step = max(attempt.last_step or 0, notice.step)
@@ -187,7 +190,7 @@ def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
     return [attempt.id for attempt in lost]
 
 
-def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
+def locked_attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[Attempt, Run]:
     """The attempt locked for a change, its run share-locked: the run first, as every
     other write locks (opening a bundle locks the run, then references the attempt)."""
     found = repository.get_attempt(session, attempt_id=attempt_id)
@@ -198,6 +201,16 @@ def _attempt(session: Session, principal: Principal, attempt_id: int) -> tuple[A
     attempt = repository.get_attempt(session, attempt_id=attempt_id, lock=Lock.NO_KEY_UPDATE)
     assert attempt is not None
     return attempt, run
+
+
+def check_unfenced(attempt: Attempt, run: Run) -> None:
+    """Refuse a write of a fenced attempt: a newer one registered, or the run rolled back."""
+    if attempt.epoch != run.epoch:
+        raise FencedError(
+            f"attempt {attempt.id} (epoch {attempt.epoch}) is fenced: run {run.name!r} is at "
+            f"epoch {run.epoch}; stop writing and exit",
+            run_epoch=run.epoch,
+        )
 
 
 def _check_advance(session: Session, attempt: Attempt, step: int, *, limit: int) -> None:

@@ -13,8 +13,8 @@ from service.errors import (
     NotFoundError,
     responses,
 )
-from service.names import PRINTABLE
-from service.runs import attempts, mtbf, service
+from service.names import MAX_STEP, PRINTABLE
+from service.runs import attempts, mtbf, replay, service
 from service.runs.schemas import (
     AttemptCreate,
     AttemptEnd,
@@ -24,6 +24,7 @@ from service.runs.schemas import (
     Heartbeat,
     Lineage,
     PreemptionRate,
+    Replay,
     ResumePoint,
     RollbackOut,
     RollbackRequest,
@@ -32,6 +33,7 @@ from service.runs.schemas import (
     RunOut,
     RunPage,
     RunPatch,
+    Verification,
 )
 
 router = APIRouter(prefix="/v1", tags=["runs"])
@@ -107,6 +109,33 @@ def notice(
     instance-action or rebalance recommendation, GCP preemption or maintenance, Azure
     Preempt event): the attempt shows the first one and when it came."""
     return attempts.notice(context, principal, attempt_id=attempt, notice=notice)
+
+
+@router.get("/attempts/{attempt}/replay", responses=responses(*ONE))
+def get_replay(
+    attempt: IdPath,
+    principal: PrincipalDep,
+    context: ContextDep,
+    *,
+    rank: Annotated[int, Query(ge=0, le=16383)] = 0,
+    after_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
+    after_micro_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
+) -> Replay:
+    """What the newest earlier attempt of the run with fingerprints of ``rank`` after the
+    position (``after_step``, ``after_micro_step``) computed there: the steps this attempt
+    replays after resuming from that position, to compare."""
+    return replay.replay(
+        context, principal, attempt_id=attempt, rank=rank, after=(after_step, after_micro_step)
+    )
+
+
+@router.put("/attempts/{attempt}/verification", responses=responses(*ONE, FencedError))
+def put_verification(
+    attempt: IdPath, verification: Verification, principal: PrincipalDep, context: ContextDep
+) -> AttemptOut:
+    """Record the attempt's verdict on its resume (verified, diverged, unverifiable), as its
+    rank 0 reduced it over every rank; a second report replaces the first. 409 once fenced."""
+    return replay.verify(context, principal, attempt_id=attempt, verification=verification)
 
 
 @router.post("/attempts/{attempt}/end", responses=responses(*ONE, ConflictError))

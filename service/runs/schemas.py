@@ -3,7 +3,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt.core.contract import Manifest
 from service.names import PRINTABLE, Hostname, Id, Label, RunName, Step
@@ -111,6 +111,25 @@ class AttemptTime(_Request):
     steps_trained: Annotated[int, Field(ge=0, le=10**12, strict=True)]
 
 
+PartName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
+Loss = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Fingerprint(_Request):
+    """What one rank computed at one training position: the loss it reported and digests of
+    its state (opaque to the service). Positions compare as (step, micro_step)."""
+
+    step: Step = Field(description="the step it was taken at, after optimizer.step()")
+    micro_step: Step = Field(default=0, description="the gradient-accumulation micro step")
+    loss: Loss | None = Field(default=None, description="the loss reported; null: none")
+    parts: dict[PartName, Annotated[str, Field(max_length=128)]] = Field(
+        max_length=8, description='at most 8 digests, e.g. {"params": "<hex digest>"}'
+    )
+
+
+MAX_FINGERPRINTS = 512
+
+
 class Heartbeat(_Request):
     step: Step | None = None
     time: AttemptTime | None = None
@@ -127,6 +146,63 @@ class Heartbeat(_Request):
     rank: Annotated[int, Field(ge=0, le=16383, strict=True)] = Field(
         default=0, description="the rank that beats, in a job of many ranks"
     )
+    fingerprints: list[Fingerprint] = Field(
+        default=[],
+        max_length=MAX_FINGERPRINTS,
+        description="the beating rank's fingerprints since its last beat (at most 512): the "
+        "service keeps its newest CKPT_FINGERPRINT_RING positions",
+    )
+
+
+class Replay(BaseModel):
+    """What the attempt before this one computed at the positions this one replays."""
+
+    from_attempt_id: int | None = Field(description="the attempt they come from; null: none")
+    fingerprints: list[Fingerprint] = Field(description="sorted by (step, micro_step)")
+
+
+Verdict = Literal["verified", "diverged", "unverifiable"]
+
+
+class Difference(_Request):
+    step: Step
+    micro_step: Step
+    rank: Annotated[int, Field(ge=0, le=16383, strict=True)]
+    part: Annotated[str, Field(max_length=32, pattern=PRINTABLE)] = Field(
+        description='what differed: "loss" or a part\'s name'
+    )
+    expected: Annotated[str, Field(max_length=128, pattern=PRINTABLE)]
+    got: Annotated[str, Field(max_length=128, pattern=PRINTABLE)]
+
+
+class Verification(_Request):
+    """A resumed attempt's verdict on the steps it replayed, compared with what the attempt
+    before it computed (reduced over every rank by rank 0)."""
+
+    verdict: Verdict
+    mode: Literal["exact", "tolerance"]
+    steps_compared: Annotated[int, Field(ge=0, le=10**12, strict=True)] = Field(
+        description="replayed positions compared, every rank's counted once"
+    )
+    from_attempt_id: Id | None = Field(description="the attempt whose fingerprints it compared")
+    first_difference: Difference | None = Field(
+        default=None, description="the first position that differed: required when diverged"
+    )
+    max_relative_difference: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        default=None, description="tolerance mode: the largest |a-b|/max(|a|,|b|) seen"
+    )
+    detail: Annotated[str, Field(max_length=500, pattern=PRINTABLE)] = Field(
+        default="", description='a sentence, e.g. "loss matches, params differ"'
+    )
+
+    @model_validator(mode="after")
+    def _difference_when_diverged(self) -> Verification:
+        if (self.verdict == "diverged") != (self.first_difference is not None):
+            raise ValueError(
+                "first_difference is required when the verdict is diverged, and must be null "
+                f"otherwise (verdict {self.verdict!r})"
+            )
+        return self
 
 
 Cloud = Literal["aws", "gcp", "azure"]
@@ -198,6 +274,9 @@ class AttemptOut(BaseModel):
     )
     time: TimeOut | None = Field(
         default=None, description="where its time went, as its agent last reported"
+    )
+    verification: Verification | None = Field(
+        default=None, description="its resume's verdict on the steps it replayed, if reported"
     )
 
 

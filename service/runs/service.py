@@ -36,6 +36,7 @@ from service.runs.schemas import (
     RunOut,
     RunPage,
     RunPatch,
+    Verification,
 )
 from service.sql import Lock
 
@@ -326,6 +327,9 @@ def attempt_out(attempt: Attempt, run: Run, *, steps_lost: int | None) -> Attemp
         interval_seconds=attempt.interval_seconds,
         waste_seconds_per_hour=attempt.waste_seconds_per_hour,
         time=time_out(time_spent(attempt, steps_lost=steps_lost)),
+        verification=Verification.model_validate(attempt.verification)
+        if attempt.verification
+        else None,
     )
 
 

@@ -226,7 +226,27 @@ TABLE: list[Row] = [
         Access.WRITE,
         200,
         lambda w: f"/v1/attempts/{w.live['attempt_id']}/heartbeat",
-        body=lambda w: {"step": 25},
+        body=lambda w: {"step": 25, "fingerprints": [{"step": 25, "parts": {"params": "ab"}}]},
+    ),
+    Row(
+        "GET",
+        "/v1/attempts/{attempt}/replay",
+        Access.READ,
+        200,
+        lambda w: f"/v1/attempts/{w.live['attempt_id']}/replay?rank=0&after_step=3",
+    ),
+    Row(
+        "PUT",
+        "/v1/attempts/{attempt}/verification",
+        Access.WRITE,
+        200,
+        lambda w: f"/v1/attempts/{w.live['attempt_id']}/verification",
+        body=lambda w: {
+            "verdict": "unverifiable",
+            "mode": "exact",
+            "steps_compared": 0,
+            "from_attempt_id": None,
+        },
     ),
     Row(
         "POST",
