@@ -150,7 +150,7 @@ class Verification:
             "steps_compared": self.steps_compared,
             "from_attempt_id": self.from_attempt_id,
             "first_difference": None if difference is None else difference.to_json(),
-            "max_relative_difference": self.max_relative_difference,
+            "max_relative_difference": _finite(self.max_relative_difference),
             "detail": self.detail[:MAX_DETAIL_CHARS],
         }
 
@@ -306,3 +306,8 @@ def _number(name: str, text: str) -> float | None:
         return float(text) if name == "loss" else float.fromhex(text)
     except ValueError:
         return None
+
+
+def _finite(value: float | None) -> float | None:
+    """None for no value or one past every float (a side that was not finite)."""
+    return value if value is not None and math.isfinite(value) else None

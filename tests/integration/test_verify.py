@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_trainer
+from tests.server_process import ckpt_server
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +88,21 @@ def test_a_diverged_resume_stops_when_told_to(tmp_path: Path) -> None:
             module=module,
             env={"CKPT_VERIFY_STOP": "1"},
         )
+
+
+def test_through_the_control_plane_the_verdict_is_on_the_resumed_attempt(tmp_path: Path) -> None:
+    # The killed attempt's fingerprints ride on its heartbeats; the resumed one reads them
+    # back (GET .../replay) and records its verdict (PUT .../verification).
+    module = "tests.integration.flawed_trainer"
+    with ckpt_server(tmp_path) as server:
+        env, store = server.env(), server.store
+        job = ("--flaw", "none", *STEPS)
+        run_trainer(store, tmp_path / "a.pt", *job, *KILL, expect_rc=-9, module=module, env=env)
+        resumed = run_trainer(store, tmp_path / "b.pt", *job, module=module, env=env)
+        with server.client() as client:
+            attempts = client.get("/v1/runs/demo/lineage").json()["attempts"]
+    verification = json.loads(resumed["verification"])
+    assert (verification["verdict"], verification["steps_compared"]) == ("verified", REPLAYED)
+    assert verification["from_attempt_id"] == attempts[0]["id"]
+    assert attempts[0]["verification"] is None
+    assert attempts[1]["verification"] == verification
