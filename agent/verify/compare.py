@@ -249,7 +249,7 @@ def likely_layer(comparison: RankComparison, *, at_first: bool) -> str:
     if at_first:
         return (
             "the loss differs at the first replayed step: likely the data or rng layer (a "
-            "random source ckpt does not capture, a data position that did not resume) or "
+            "random source not captured, a data position that did not resume) or "
             "the weights"
         )
     return (
