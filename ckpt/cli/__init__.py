@@ -9,7 +9,8 @@ image (no FastAPI) and in a control-plane image (no torch) alike.
     ckpt token create|list|revoke  manage the bearer tokens in the catalog
     ckpt catalog rebuild           recreate the catalog from the manifests in the store
     ckpt verify RUN                check every blob of a bundle in the store
-    ckpt runs | resumable | bundle ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
+    ckpt runs | attempts | resumable | bundle
+                                   ask a running control plane (CKPT_SERVER, CKPT_TOKEN)
 
 One module per job: ``server`` (server, migrate, gc, catalog), ``tokens``, ``verify``,
 ``ask`` (the REST queries); ``config`` and ``text`` are what they share; ``failure`` says

@@ -1,4 +1,4 @@
-"""``ckpt runs | resumable | bundle``: the people's CLI over the REST API, with pure
+"""``ckpt runs | attempts | resumable | bundle``: the people's CLI over the REST API, with pure
 ``format_*`` functions and one ``get``."""
 
 from __future__ import annotations
@@ -29,6 +29,15 @@ RUNS = f"""
     {CONNECTION}
 """
 
+ATTEMPTS = f"""
+    The attempts of RUN, oldest first: each one's epoch, state, last step, the bundle it
+    resumed from (ID@STEP), and its resume's verdict on the steps it replayed: verified
+    over N steps, diverged at the first step that differed (what differed: got vs
+    expected), unverifiable (it replayed no step), or - (none reported).
+
+    {CONNECTION}
+"""
+
 RESUMABLE = f"""
     Where RUN resumes: the bundle, its step, world size, size and when it was saved; the
     same answer a restarted training job gets.
@@ -46,7 +55,7 @@ BUNDLE = f"""
 
 
 def add_commands(commands: Commands) -> None:
-    """``runs``, ``resumable`` and ``bundle``."""
+    """``runs``, ``attempts``, ``resumable`` and ``bundle``."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--server", help=f"control plane URL (CKPT_SERVER, default {DEFAULT_SERVER})"
@@ -61,6 +70,16 @@ def add_commands(commands: Commands) -> None:
     runs.add_argument("--limit", type=int, default=50, help="at most this many runs (default 50)")
     runs.add_argument("--after", help="start after this run name (the previous page's end)")
     runs.set_defaults(handler=_runs)
+
+    attempts = add_command(
+        commands,
+        "attempts",
+        summary="a run's attempts and their resumes' verdicts",
+        description=ATTEMPTS,
+        parents=[common],
+    )
+    attempts.add_argument("run", help="the run's name")
+    attempts.set_defaults(handler=_attempts)
 
     resumable = add_command(
         commands,
@@ -89,6 +108,10 @@ def _runs(args: argparse.Namespace) -> int:
         if getattr(args, name):
             params[name] = getattr(args, name)
     return _ask(args, "/v1/runs", params, format_runs)
+
+
+def _attempts(args: argparse.Namespace) -> int:
+    return _ask(args, f"/v1/runs/{args.run}/lineage", {}, format_attempts)
 
 
 def _resumable(args: argparse.Namespace) -> int:
@@ -173,6 +196,44 @@ def format_runs(body: dict[str, Any]) -> str:
     text = table(rows)
     if body.get("next"):
         text += f"\n(more: --after {body['next']})"
+    return text
+
+
+def format_attempts(lineage: dict[str, Any]) -> str:
+    steps = {bundle["id"]: bundle["step"] for bundle in lineage["bundles"]}
+    rows: list[tuple[str, ...]] = [("ATTEMPT", "EPOCH", "STATE", "STEP", "RESUMED", "RESUME")]
+    for attempt in lineage["attempts"]:
+        resumed = attempt["resumed_from_id"]
+        rows.append(
+            (
+                str(attempt["id"]),
+                str(attempt["epoch"]),
+                attempt["state"],
+                "-" if attempt["last_step"] is None else str(attempt["last_step"]),
+                f"{resumed}@{steps.get(resumed, '?')}" if resumed is not None else "-",
+                format_verification(attempt.get("verification")),
+            )
+        )
+    return f"run {lineage['run']}\n" + table(rows)
+
+
+def format_verification(verification: dict[str, Any] | None) -> str:
+    """``verified 37 steps``, ``diverged at 1204: loss 2.3811 vs 2.3809`` (got vs
+    expected), ``unverifiable``, or ``-``; tolerance mode adds its largest difference."""
+    if verification is None:
+        return "-"
+    verdict, first = verification["verdict"], verification["first_difference"]
+    if first is not None:
+        where = f"{first['step']}" + (f".{first['micro_step']}" if first["micro_step"] else "")
+        rank = f" rank {first['rank']}" if first["rank"] else ""
+        text = f"diverged at {where}{rank}: {first['part']} {first['got']} vs {first['expected']}"
+    elif verdict == "verified":
+        text = f"verified {verification['steps_compared']} steps"
+    else:
+        text = verdict
+    largest = verification.get("max_relative_difference")
+    if verification["mode"] == "tolerance" and largest is not None:
+        text += f" (tolerance, max relative difference {largest:.3g})"
     return text
 
 

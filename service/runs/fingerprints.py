@@ -27,14 +27,17 @@ def keep(
 
 
 def _put(session: Session, *, attempt_id: int, rank: int, rows: list[dict[str, Any]]) -> None:
-    statement = insert(session, Fingerprint).values(
-        [{"attempt_id": attempt_id, "rank": rank, **row} for row in rows]
+    # Parameters apart from the statement (executemany, sent as one multi-row INSERT): its
+    # SQL is compiled once and cached; rows in .values() compiled it anew on each heartbeat.
+    statement = insert(session, Fingerprint)
+    statement = statement.on_conflict_do_update(
+        index_elements=["attempt_id", "rank", "step", "micro_step"],
+        set_={"loss": statement.excluded.loss, "parts": statement.excluded.parts},
     )
     session.execute(
-        statement.on_conflict_do_update(
-            index_elements=["attempt_id", "rank", "step", "micro_step"],
-            set_={"loss": statement.excluded.loss, "parts": statement.excluded.parts},
-        )
+        statement,
+        [{"attempt_id": attempt_id, "rank": rank, **row} for row in rows],
+        execution_options={"synchronize_session": False},
     )
 
 
@@ -50,7 +53,10 @@ def _prune(session: Session, *, attempt_id: int, rank: int, keep: int) -> None:
         .limit(1)
         .scalar_subquery()
     )
-    session.execute(delete(Fingerprint).where(*mine, position < oldest_kept))
+    session.execute(
+        delete(Fingerprint).where(*mine, position < oldest_kept),
+        execution_options={"synchronize_session": False},
+    )
 
 
 def replay_source(

@@ -122,7 +122,7 @@ class Fingerprint(_Request):
     step: Step = Field(description="the step it was taken at, after optimizer.step()")
     micro_step: Step = Field(default=0, description="the gradient-accumulation micro step")
     loss: Loss | None = Field(default=None, description="the loss reported; null: none")
-    parts: dict[PartName, Annotated[str, Field(max_length=128)]] = Field(
+    parts: dict[PartName, Annotated[str, Field(max_length=128, pattern=PRINTABLE)]] = Field(
         max_length=8, description='at most 8 digests, e.g. {"params": "<hex digest>"}'
     )
 

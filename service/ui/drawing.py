@@ -32,6 +32,7 @@ from service.ui.marks import (
     head_marker,
     lost_band,
     resume_edge,
+    verdict_mark,
 )
 
 WIDTH = 1160  # the page's width at 1280 px, less its margins
@@ -60,6 +61,8 @@ class Lane:
     number: int = 0  # 1 for the run's first attempt; 0: its epoch
     pod: str | None = None
     node: str | None = None
+    verdict: str | None = None  # its resume's: verified, diverged, unverifiable (None: none)
+    verdict_detail: str = ""  # that verdict in a sentence
 
     @property
     def ordinal(self) -> int:
@@ -244,10 +247,14 @@ def _lane(href: str, lane: Lane, plan: _Layout, marks: list[Mark], successor: La
         f"attempt {lane.ordinal} (fencing epoch {lane.epoch}): pod {lane.pod or '—'} on node "
         f"{lane.node or '—'}, steps {lane.start_step} to {end_step}, {lane.ended}"
     )
+    if lane.verdict_detail:
+        about += f"; {lane.verdict_detail}"
     colour = palette.ENDED.get(lane.ended, palette.MUTED)
+    verdict = f' data-verdict="{escape(lane.verdict)}"' if lane.verdict else ""
     return (
         f'<g class="lane" data-epoch="{lane.epoch}" data-attempt="{lane.ordinal}" '
-        f'data-ended="{shown}"><title>{escape(about)}</title>'
+        f'data-ended="{shown}"{verdict}><title>{escape(about)}</title>'
+        f"{_verdict(lane, y)}"
         f'<text class="lane-label" x="4" y="{y - 3}" font-size="{FONT}" font-weight="600" '
         f'fill="{palette.INK}">attempt {lane.ordinal} · {shown}</text>'
         f'<text class="lane-detail" x="4" y="{y + 13}" font-size="{DETAIL_FONT}" '
@@ -259,6 +266,17 @@ def _lane(href: str, lane: Lane, plan: _Layout, marks: list[Mark], successor: La
         f'stroke="{colour}" stroke-width="2"/>'
         f"{end_marker(lane.ended, tail, y)}"
         f"{''.join(_mark(href, mark, plan.x(mark.step), y) for mark in marks)}</g>"
+    )
+
+
+def _verdict(lane: Lane, y: float) -> str:
+    """The lane's resume verdict, at the right of its label, the sentence its title."""
+    if lane.verdict is None:
+        return ""
+    return (
+        f'<g class="lane-verdict" data-verdict="{escape(lane.verdict)}">'
+        f"<title>{escape(lane.verdict_detail)}</title>"
+        f"{verdict_mark(lane.verdict, LABEL_WIDTH - 16, y - 8)}</g>"
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 
 def size(value: int | None) -> str:
@@ -50,6 +52,26 @@ def duration(value: float | None) -> str:
     if value < 3600:
         return f"{value / 60:.1f} min"
     return f"{value / 3600:.1f} h"
+
+
+def verdict(verification: Mapping[str, Any]) -> str:
+    """A resume's verdict in a sentence (an attempt's ``verification``)."""
+    first, steps = verification.get("first_difference"), verification["steps_compared"]
+    if first is not None:
+        micro = f".{first['micro_step']}" if first["micro_step"] else ""
+        text = (
+            f"resume diverged at step {first['step']}{micro} (rank {first['rank']}): "
+            f"{first['part']} {first['got']}, expected {first['expected']}"
+        )
+    elif verification["verdict"] == "verified":
+        text = f"resume verified over {steps} replayed steps"
+    else:
+        text = "resume unverifiable: it replayed no step the attempt before it computed"
+    largest = verification.get("max_relative_difference")
+    if verification.get("mode") == "tolerance" and largest is not None:
+        text += f" (tolerance mode, largest relative difference {largest:.3g})"
+    detail = verification.get("detail")
+    return f"{text}. {detail}" if detail else text
 
 
 def maybe(value: object) -> str:

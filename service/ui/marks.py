@@ -23,6 +23,7 @@ DETAIL_FONT = 12
 SHOWN_STATUS = {"deleted": "collected"}
 STATUSES = ("complete", "pending", "quarantined", "failed", "collected")
 ENDINGS = ("running", "replaced", "preempted", "lost", "failed", "finished")
+VERDICTS = ("verified", "diverged", "unverifiable")
 
 
 def bundle_mark(status: str, x: float, y: float, *, live: bool = True, pinned: bool = False) -> str:
@@ -102,6 +103,32 @@ def end_marker(ended: str, x: float, y: float) -> str:
     )
 
 
+def verdict_mark(verdict: str, x: float, y: float) -> str:
+    """A resume's verdict at (x, y) (``class="verdict"``): a check when its replayed steps
+    were bit-exact; a red warning triangle when they diverged, the loudest mark drawn; a
+    hollow circle with a question mark when it replayed nothing."""
+    colour = palette.VERDICT.get(verdict, palette.MUTED)
+    cls = f'class="verdict verdict-{escape(verdict)}"'
+    if verdict == "verified":
+        return (
+            f'<path {cls} d="M{x - 6} {y} l4 5 l8 -10" fill="none" stroke="{colour}" '
+            'stroke-width="3.5" stroke-linecap="round" stroke-linejoin="round"/>'
+        )
+    if verdict == "diverged":
+        return (
+            f'<path {cls} d="M{x} {y - 9} l9 16 h-18 z" fill="{colour}" stroke="{colour}" '
+            f'stroke-width="1" stroke-linejoin="round"/>'
+            f'<path d="M{x} {y - 4} v6 M{x} {y + 4} v1.5" stroke="{palette.BACKGROUND}" '
+            'stroke-width="2.5"/>'
+        )
+    return (
+        f'<circle {cls} cx="{x}" cy="{y}" r="6.5" fill="{palette.BACKGROUND}" '
+        f'stroke="{colour}" stroke-width="2.5"/>'
+        f'<text x="{x}" y="{y + 4}" font-size="10" font-weight="700" text-anchor="middle" '
+        f'fill="{palette.INK}">?</text>'
+    )
+
+
 def head_marker(x: float, y: float) -> str:
     """The head's triangle, pointing down at the mark at (x, y), inside its lane."""
     tip = y - MARK_RADIUS - 3
@@ -135,7 +162,7 @@ LEGEND_ROW = 26
 def draw_legend(*, width: int) -> str:
     """The legend as ``<svg id="legend">``: each entry drawn by the functions that draw the
     picture, a ``g.legend-entry`` with the state it explains (``data-status``,
-    ``data-ended``, ``data-key``)."""
+    ``data-ended``, ``data-verdict``, ``data-key``)."""
     bundles = [
         (f'data-status="{status}"', bundle_mark(status, 0, 0), status) for status in STATUSES
     ]
@@ -155,7 +182,10 @@ def draw_legend(*, width: int) -> str:
         ),
     ]
     endings = [(f'data-ended="{ended}"', end_marker(ended, 0, 0), ended) for ended in ENDINGS]
-    rows = [("bundles", bundles), ("attempts ended", endings)]
+    verdicts = [
+        (f'data-verdict="{verdict}"', verdict_mark(verdict, 0, 0), verdict) for verdict in VERDICTS
+    ]
+    rows = [("bundles", bundles), ("attempts ended", endings), ("resumes", verdicts)]
     parts = []
     for row, (title, entries) in enumerate(rows):
         y = LEGEND_ROW * row + LEGEND_ROW / 2 + 4

@@ -31,6 +31,8 @@ ENDED = {
     "failed": "#24292f",
     "finished": "#1b7c83",
 }
+# A resumed attempt's verdict on the steps it replayed (diverged: loud).
+VERDICT = {"verified": "#1a7f37", "diverged": "#cf222e", "unverifiable": "#6e7781"}
 LOST_EDGE = "#bc4c00"  # the outline of a band of steps lost
 RESUME_EDGE = "#0969da"
 SERIES = "#0969da"  # the save figures' lines
@@ -44,6 +46,7 @@ TEXT = {"ink": INK, "muted": MUTED}
 GRAPHICS = {
     **{f"status-{name}": colour for name, colour in STATUS.items()},
     **{f"ended-{name}": colour for name, colour in ENDED.items()},
+    **{f"verdict-{name}": colour for name, colour in VERDICT.items()},
     "lost-edge": LOST_EDGE,
     "resume-edge": RESUME_EDGE,
     "series": SERIES,

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from service import lineage
 from service.models import Attempt, Bundle, Run, Save
 from service.runs.service import attempt_node
+from service.ui import formats
 from service.ui.drawing import Hidden, Lane, Mark, Picture
 from service.ui.saves import SavePoint
 
@@ -138,6 +139,8 @@ def _assemble(
             number=older + i + 1,
             pod=a.pod,
             node=a.node,
+            verdict=a.verification["verdict"] if a.verification else None,
+            verdict_detail=formats.verdict(a.verification) if a.verification else "",
         )
         for i, a in enumerate(attempts)
     ]

@@ -204,6 +204,7 @@ def test_a_verdict_must_name_an_earlier_attempt_of_its_run(
         ([{**fp(1), "parts": {f"p{i}": "x" for i in range(9)}}], "8"),
         ([{**fp(1), "parts": {"Params": "x"}}], "pattern"),
         ([{**fp(1), "parts": {"params": "x" * 129}}], "128"),
+        ([{**fp(1), "parts": {"params": "ab\ncd"}}], "pattern"),
         ([{**fp(1), "step": -1}], "step"),
         ([{**fp(1), "micro_step": "1"}], "micro_step"),
         ([{**fp(1), "extra": 1}], "extra"),
@@ -258,3 +259,28 @@ def test_a_verdict_is_shown_replaced_by_a_retry_and_counted_once(
     again = register(client, run_name)
     assert verify(client, again, **diverged).status_code == 200
     assert verdicts(client) == {"verified": 1.0, "diverged": 1.0, "unverifiable": 0.0}
+
+
+def test_ckpt_attempts_prints_each_attempts_verdict(
+    server: Server, client: httpx.Client, run_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckpt.cli import main
+
+    first = register(client, run_name)
+    verified = register(client, run_name)
+    assert verify(client, verified, **{**VERIFIED, "steps_compared": 37}).status_code == 200
+    diverged = register(client, run_name)
+    body = {**VERIFIED, "verdict": "diverged", "first_difference": {**DIFFERENCE, "step": 1204}}
+    assert verify(client, diverged, **body).status_code == 200
+    unverifiable = register(client, run_name)
+    body = {**VERIFIED, "verdict": "unverifiable", "steps_compared": 0}
+    assert verify(client, unverifiable, **body).status_code == 200
+
+    asked = ["attempts", run_name, "--server", server.url, "--token", server.admin_token]
+    assert main(asked) == 0
+    lines = capsys.readouterr().out.splitlines()
+    ends = {int(line.split()[0]): line for line in lines[2:]}
+    assert ends[first["attempt_id"]].endswith(" -")
+    assert ends[verified["attempt_id"]].endswith(" verified 37 steps")
+    assert ends[diverged["attempt_id"]].endswith(" diverged at 1204 rank 1: loss 2.3811 vs 2.3809")
+    assert ends[unverifiable["attempt_id"]].endswith(" unverifiable")

@@ -69,13 +69,15 @@ def shape(svg: str) -> str:
     return f"{tag[1]} {commands} {sorted(paint)}"
 
 
-def test_each_status_and_each_ending_has_its_own_shape() -> None:
+def test_each_status_ending_and_verdict_has_its_own_shape() -> None:
     bundles = [shape(marks.bundle_mark(status, 0, 0)) for status in marks.STATUSES]
     endings = [shape(marks.end_marker(ended, 0, 0)) for ended in marks.ENDINGS]
+    verdicts = [shape(marks.verdict_mark(verdict, 0, 0)) for verdict in marks.VERDICTS]
     assert len(set(bundles)) == len(bundles)
     assert len(set(endings)) == len(endings)
+    assert len(set(verdicts)) == len(verdicts)
     # Not only by colour: no two differ in colour alone.
-    for first, second in combinations(bundles + endings, 2):
+    for first, second in combinations(bundles + endings + verdicts, 2):
         assert re.sub(r"#[0-9a-f]{6}", "", first) != re.sub(r"#[0-9a-f]{6}", "", second)
 
 
