@@ -150,8 +150,9 @@ class Attempt:
         """Stop the heartbeats without reporting an end."""
         self._stopping.set()
 
-    def beat(self) -> None:
-        """Heartbeat now, with what the outbox holds (a no-op before the attempt registers)."""
+    def beat(self, *, patience: float | None = None) -> None:
+        """Heartbeat now, with what the outbox holds (a no-op before the attempt registers),
+        retried for ``patience`` seconds (default: the client's ``retry_seconds``)."""
         registration = self.registration
         if registration is None:
             return
@@ -161,7 +162,7 @@ class Attempt:
             registration.attempt_id,
             step=self._step(),
             rank=self._ranks.rank,
-            patience=self._control.retry_seconds,
+            patience=self._control.retry_seconds if patience is None else patience,
             interval=self.interval,
             time=self.time() if self._ranks.rank == 0 else None,
             fingerprints=fingerprints,

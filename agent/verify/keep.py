@@ -26,6 +26,9 @@ from ckpt.core.storage import ObjectStore, keys
 log = logging.getLogger("ckpt")
 
 MAX_SENT = 512  # fingerprints per heartbeat
+# How long a flush (``Checkpointer.wait``, ``end``) retries a control plane that does not
+# answer: the loop never waits out an outage for them; the heartbeats carry them later.
+FLUSH_PATIENCE = 5.0
 _READ_ATTEMPTS = 16  # the older attempts a resume looks through for fingerprints
 
 
@@ -136,7 +139,7 @@ class ControlPlaneKeeper:
 
     def flush(self) -> None:
         while self._attempt.registration is not None and self.pending():
-            self._attempt.beat()
+            self._attempt.beat(patience=FLUSH_PATIENCE)
 
     def replay(self, after: Place) -> tuple[int | None, list[Fingerprint]]:
         registration = self._attempt.registration
