@@ -19,6 +19,7 @@ never the control plane (``service``). Its modules and folders, those of a save 
     ranks/        what the ranks of a job agree on, alone or over ``torch.distributed``
     attempt/      how an attempt ends: stop signals, the grace period, clouds' notices, the
                   ``every="auto"`` interval, where its time went
+    verify/       each step's fingerprint; a resume's replayed steps against the dead attempt's
     launch/       ``ckpt launch``: the one-machine supervisor
     demo/         ``ckpt demo`` and the demo jobs the tests and manifests run
 """

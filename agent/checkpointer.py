@@ -1,16 +1,8 @@
 """The Checkpointer: the training loop's one handle on ckpt.
 
-A thin guard over the phases, each in a folder of its own:
-
-    save/schedule   whether a step boundary saves (policy, notices, signals, the save in flight)
-    save/staging    the six layers out of the objects and into the staging buffers (the stall)
-    save/persist    hash, upload, record, commit, in the background; ``PendingSave``
-    restore/resume  find the resumable bundle, read and verify it, fall back
-    state/capture   the layers put back into the objects, in the fixed order
-    catalog/        where bundles are kept: the store alone or the control plane
-    attempt/grace   what happens between a stop signal and the exit
-    data/epochs     the walk through the data from the restored position
-    ranks/          what the ranks of a job must agree on
+A thin guard over the phases, each in a folder of its own: ``agent``'s docstring lists them,
+those a save passes through first (save/, state/, catalog/), then restore/, attempt/, ranks/
+and verify/ (each step's fingerprint, a resume's replayed steps against the dead attempt's).
 """
 
 from __future__ import annotations
@@ -18,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from types import TracebackType
 from typing import Any, Unpack
 
 import torch
@@ -41,6 +32,8 @@ from agent.save.staging import StagingArea, stage_layers
 from agent.state.objects import Generator, gather, replicated_layers
 from agent.stateful import Stateful
 from agent.summary import announce
+from agent.verify.compare import Verification
+from agent.verify.verifier import open_verifier
 from ckpt.core.contract import RESTORE_ORDER, Layer
 from ckpt.core.storage import ObjectStore, open_store
 
@@ -111,6 +104,7 @@ class Checkpointer:
             generators=generators,
         )
         self.ranks: Ranks = job_ranks(timeout=self.config.rank_timeout_seconds)
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
         self._wire()
 
     def _wire(self) -> None:
@@ -135,6 +129,14 @@ class Checkpointer:
             ranks=self.ranks,
             replicated=replicated_layers(self.objects, world_size=self.world_size),
             quiet=config.quiet,
+        )
+        self._verifier = open_verifier(
+            config,
+            objects=self.objects,
+            ranks=self.ranks,
+            catalog=self._catalog,
+            store=self.store,
+            durable=lambda: self._persister.durable_at,
         )
         self._preemption = Preemption(
             run=config.run,
@@ -169,12 +171,14 @@ class Checkpointer:
         return self._preemption.requested
 
     @property
-    def rank(self) -> int:
-        return self.ranks.rank
+    def verification(self) -> Verification | None:
+        """What the resume proved about the steps it replayed, once known (``agent.verify``)."""
+        return self._verifier.verification
 
-    @property
-    def world_size(self) -> int:
-        return self.ranks.world_size
+    def step_done(self, loss: torch.Tensor | float | None = None) -> None:
+        """Fingerprint the current position with the ``loss`` of the micro-batch that reached
+        it, for a resume to compare: call after advancing the counters, before ``maybe_save``."""
+        self._verifier.record(self._position(), loss=loss)
 
     def _position(self) -> Position:
         return Position(step=self.counters.step, micro_step=self.counters.micro_step)
@@ -219,13 +223,13 @@ class Checkpointer:
         if result.step is None:
             self.time_spent.ready(self.counters.step)
             return result
-        # The loop continues from the restored position, where the run's own bundle is
-        # durable (when every layer came back).
+        # The loop continues from the restored position (the run's own bundle: durable).
         self._schedule.saved(self._position())
         self._epochs.restart()
         if own and result.layers == RESTORE_ORDER:
             self._catalog.resumed(self._position())
             self._persister.resumed_at(self._position())
+            self._verifier.resumed(self._position())
         self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
         self.time_spent.ready(self.counters.step)
         announce(
@@ -260,6 +264,7 @@ class Checkpointer:
         ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
         self.time_spent.ready(self.counters.step)  # when the loop did not resume() first
+        self._verifier.at(self._position())
         if not self._schedule.due(self._position()):
             return None
         return self.save()
@@ -281,13 +286,8 @@ class Checkpointer:
                 bundle the resume skipped (incomplete, damaged, after where it resumed) is
                 saved again, replacing it.
             StoreError, ControlPlaneError, FencedError: the previous save's persist failed
-                (raised here, once, so that no failed save goes unnoticed).
-
-        The persist itself raises, from ``wait()``:
-            StoreError: the store failed; no manifest was written, so no bundle exists.
-            FencedError: a newer attempt of the run registered; this process must stop.
-            ControlPlaneError: the control plane refused the bundle (its message says why)
-                or stayed unreachable through the retries.
+                (raised here, once, so that no failed save goes unnoticed; what the persist
+                itself raises, ``PendingSave.wait`` raises).
         """
         started = time.perf_counter()
         self._persister.settle(block=True)
@@ -322,13 +322,16 @@ class Checkpointer:
         return pending
 
     def wait(self) -> SaveResult | None:
-        """Block until the save in flight (if any) is durable.
+        """Block until the save in flight (if any) is durable, and the steps' fingerprints are
+        kept where the next attempt reads them.
 
         Raises:
             StoreError, ControlPlaneError, FencedError: its persist failed (see ``save``),
                 unless ``PendingSave.wait`` already raised that failure.
         """
-        return self._persister.wait()
+        result = self._persister.wait()
+        self._verifier.flush()
+        return result
 
     def release_staging(self) -> int:
         """Wait for the save in flight, then free the staging buffers (a copy of the state
@@ -354,6 +357,7 @@ class Checkpointer:
         deadline = time.monotonic() + self.config.server_retry_seconds  # commits and the end
         try:
             self._persister.finish(seconds=self.config.server_retry_seconds)
+            self._verifier.finish()
             if reason == "finished":
                 note_finished(rank=self.rank, world_size=self.world_size)
         finally:
@@ -386,15 +390,11 @@ class Checkpointer:
             self._preemption.close()
             self._epochs.close()
             self._persister.close()
+            self._verifier.close()
             self._catalog.close()
 
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()

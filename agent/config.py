@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from agent.attempt.notices import CLOUDS
 from agent.format.chunking import DEFAULT_BLOB_BYTES, MAX_BLOB_BYTES
+from agent.verify.compare import Mode
 from ckpt.core.storage.keys import check_run_name
 from ckpt.core.tokens import clean_token
 
@@ -47,6 +48,8 @@ ENV = {
     "metadata_url": "CKPT_METADATA_URL",
     "from_run": "CKPT_FROM_RUN",
     "from_step": "CKPT_FROM_STEP",
+    "verify": "CKPT_VERIFY",
+    "verify_stop": "CKPT_VERIFY_STOP",
 }
 
 
@@ -83,6 +86,8 @@ class Keywords(TypedDict, total=False):
     notices: str | Iterable[str] | None
     notice_poll_seconds: float | None
     metadata_url: str | None
+    verify: str | None
+    verify_stop: bool | None
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,12 @@ class Config:
             ``CKPT_FROM_STEP``; the step defaults to that run's resumable bundle): ``resume()``
             takes it while this run has no resumable bundle of its own, and this run's own
             from then on (so a restarted attempt continues the new run, not the fork point).
+        verify: how a resume checks the steps it replays against the interrupted attempt's
+            (``CKPT_VERIFY``): ``exact`` (default, bit for bit), ``tolerance:1e-6`` (the loss
+            and the parameters' sample norm within that relative difference) or ``off``
+            (no fingerprints; see ``agent.verify``).
+        verify_stop: raise ``ResumeDivergedError`` when a resume diverges, instead of a
+            warning (``CKPT_VERIFY_STOP``, default false).
     """
 
     run: str
@@ -172,9 +183,12 @@ class Config:
     metadata_url: str | None = None
     from_run: str | None = None
     from_step: int | None = None
+    verify: str = "exact"
+    verify_stop: bool = False
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
+        Mode.parse(self.verify)
         if self.from_run is not None:
             check_run_name(self.from_run)
         if self.from_step is not None and (self.from_run is None or self.from_step < 0):
@@ -287,7 +301,7 @@ def _parse(name: str, variable: str, text: str) -> object:
             return float(text)
     except ValueError:
         raise ValueError(f"{variable}={text!r} is not a number") from None
-    if name in ("skip_unchanged", "overlap", "handle_signals", "quiet"):
+    if name in ("skip_unchanged", "overlap", "handle_signals", "quiet", "verify_stop"):
         flag = text.strip().lower()
         if flag not in _FLAGS:
             raise ValueError(f"{variable}={text!r}: use 1 or 0 (true or false)")

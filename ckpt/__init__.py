@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from agent.interop.importing import ImportResult, import_checkpoint
     from agent.restore.resume import ResumeResult
     from agent.save.result import PendingSave, SaveResult
+    from agent.verify.compare import Verdict, Verification
     from ckpt.core.contract import Layer
     from ckpt.core.errors import (
         BundleExistsError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         FencedError,
         ImportSourceError,
         IncompatibleBundleError,
+        ResumeDivergedError,
         SaveLostError,
         StateChangedError,
         StoreAccessError,
@@ -53,6 +55,8 @@ _EXPORTS = {
     "ResumableSampler": "agent.data.sampling",
     "ImportResult": "agent.interop.importing",
     "import_checkpoint": "agent.interop.importing",
+    "Verdict": "agent.verify.compare",
+    "Verification": "agent.verify.compare",
     "Layer": "ckpt.core.contract",
     "BundleExistsError": "ckpt.core.errors",
     "BundleFormatError": "ckpt.core.errors",
@@ -60,6 +64,7 @@ _EXPORTS = {
     "ControlPlaneError": "ckpt.core.errors",
     "CorruptBundleError": "ckpt.core.errors",
     "FencedError": "ckpt.core.errors",
+    "ResumeDivergedError": "ckpt.core.errors",
     "SaveLostError": "ckpt.core.errors",
     "ImportSourceError": "ckpt.core.errors",
     "IncompatibleBundleError": "ckpt.core.errors",
@@ -87,6 +92,7 @@ __all__ = [
     "PendingSave",
     "PerSampleRNG",
     "ResumableSampler",
+    "ResumeDivergedError",
     "ResumeResult",
     "SaveLostError",
     "SaveResult",
@@ -94,6 +100,8 @@ __all__ = [
     "StoreAccessError",
     "StoreError",
     "UnrepresentableStateError",
+    "Verdict",
+    "Verification",
     "__version__",
     "import_checkpoint",
 ]

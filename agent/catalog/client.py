@@ -232,15 +232,32 @@ class ControlPlane:
         patience: float,
         interval: tuple[float, float | None] | None = None,
         time: dict[str, float | int] | None = None,
+        fingerprints: list[dict[str, Any]] | None = None,
     ) -> None:
         """``interval``: the save interval ``every="auto"`` chose and the waste per hour it
-        expects there; ``time``: where the attempt's time went (``agent.attempt.goodput``)."""
+        expects there; ``time``: where the attempt's time went (``agent.attempt.goodput``);
+        ``fingerprints``: the rank's steps since its last heartbeat (``agent.verify``)."""
         body: dict[str, Any] = {"step": step, "rank": rank}
         if time is not None:
             body["time"] = time
+        if fingerprints:
+            body["fingerprints"] = fingerprints
         if interval is not None:
             body |= {"interval_seconds": interval[0], "waste_seconds_per_hour": interval[1]}
         self._call("POST", f"/v1/attempts/{attempt_id}/heartbeat", body, patience=patience)
+
+    def replay(
+        self, attempt_id: int, *, rank: int, after: tuple[int, int]
+    ) -> tuple[int | None, list[dict[str, Any]]]:
+        """The fingerprints of ``rank`` after position ``after`` that the newest older attempt
+        of the run kept: that attempt's id (None: no such attempt) and them."""
+        query = f"rank={rank}&after_step={after[0]}&after_micro_step={after[1]}"
+        answer = self._call("GET", f"/v1/attempts/{attempt_id}/replay?{query}")
+        return answer.get("from_attempt_id"), list(answer.get("fingerprints") or [])
+
+    def verification(self, attempt_id: int, verification: dict[str, Any]) -> None:
+        """Record what the attempt's resume proved (replacing what it recorded before)."""
+        self._call("PUT", f"/v1/attempts/{attempt_id}/verification", verification)
 
     def preemption_rate(self, run: str, *, patience: float | None = None) -> float:
         """The control plane's mean time between preemptions for the run, in seconds."""

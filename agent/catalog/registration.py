@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from agent.attempt.notices import Notice
 from agent.catalog.client import ControlPlane, Registration
@@ -30,6 +31,14 @@ def pod_name() -> str:
     name = os.environ.get("CKPT_POD") or socket.gethostname()
     uid = os.environ.get("CKPT_POD_UID")
     return f"{name}/{uid}" if uid else name
+
+
+class Outbox(Protocol):
+    """What rides on a rank's heartbeats besides its step (``agent.verify.keep``)."""
+
+    def pending(self) -> list[dict[str, Any]]: ...
+
+    def sent(self, fingerprints: list[dict[str, Any]]) -> None: ...
 
 
 class Attempt:
@@ -58,6 +67,7 @@ class Attempt:
         self.interval: tuple[float, float | None] | None = None  # sent with each heartbeat
         # Where the attempt's time went so far (agent.attempt.goodput), sent likewise.
         self.time: Callable[[], dict[str, float | int] | None] = lambda: None
+        self.outbox: Outbox | None = None  # the fingerprints of this rank's steps
 
     def register(self, *, resume: bool) -> Registration:
         """Register a new attempt (fencing every older one); heartbeats start with the first."""
@@ -140,20 +150,30 @@ class Attempt:
         """Stop the heartbeats without reporting an end."""
         self._stopping.set()
 
+    def beat(self, *, patience: float | None = None) -> None:
+        """Heartbeat now, with what the outbox holds (a no-op before the attempt registers),
+        retried for ``patience`` seconds (default: the client's ``retry_seconds``)."""
+        registration = self.registration
+        if registration is None:
+            return
+        outbox = self.outbox
+        fingerprints = outbox.pending() if outbox is not None else []
+        self._control.heartbeat(
+            registration.attempt_id,
+            step=self._step(),
+            rank=self._ranks.rank,
+            patience=self._control.retry_seconds if patience is None else patience,
+            interval=self.interval,
+            time=self.time() if self._ranks.rank == 0 else None,
+            fingerprints=fingerprints,
+        )
+        if outbox is not None:
+            outbox.sent(fingerprints)
+
     def _beat(self) -> None:
         while not self._stopping.wait(self._heartbeat_seconds):
-            registration = self.registration
-            if registration is None:
-                continue
             try:
-                self._control.heartbeat(
-                    registration.attempt_id,
-                    step=self._step(),
-                    rank=self._ranks.rank,
-                    patience=self._control.retry_seconds,
-                    interval=self.interval,
-                    time=self.time() if self._ranks.rank == 0 else None,
-                )
+                self.beat()
             except FencedError as err:
                 log.error("run %s: %s; heartbeats stop", self._run, err)
                 return

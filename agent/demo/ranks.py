@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import signal
@@ -156,6 +157,7 @@ def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> N
         job.scheduler.step()
         counters.step += 1
         counters.micro_step = 0
+    job.ckpt.step_done(loss.detach())  # this rank's fingerprint, for a resume to compare
 
 
 def arm_upload_drill(
@@ -240,7 +242,7 @@ def dump_whole(job: Job, path: str | None) -> None:
 def final_state(job: Job) -> dict[str, Any]:
     """What two runs must agree on, per rank (``agent.demo.compare.differences``)."""
     optim_state = job.optimizer.state_dict()
-    records = job.records
+    records, verified = job.records, job.ckpt.verification
     return {
         "model": {name: local(t) for name, t in job.model.state_dict().items()},
         "optimizer": {
@@ -253,6 +255,7 @@ def final_state(job: Job) -> dict[str, Any]:
         "positions": [(step, micro) for step, micro, _, _ in records],
         "losses": torch.stack([loss for _, _, loss, _ in records]) if records else torch.empty(0),
         "record_lrs": [lr for _, _, _, lr in records],
+        "verification": None if verified is None else json.dumps(verified.to_json()),
     }
 
 

@@ -50,14 +50,40 @@ def report(
     )
     print(f"micro-batches compared:       {_compared(finals)} (the last attempt that trained)")
     found = _differences(references, finals)
+    verdicts = f"resumes verified:             {format_verdicts(attempts)}"
     if found:
         print("BIT-EXACT: NO")
         for item in found:
             print(f"  - {item}")
+        print(verdicts)
         return 1
     every = "" if nproc == 1 else f" on every rank ({nproc})"
     print(f"BIT-EXACT: yes - every parameter, optimizer tensor, LR and loss is identical{every}")
+    print(verdicts)
+    if any((a.get("verification") or {}).get("verdict") == "diverged" for a in attempts):
+        print("  - a resume diverged from the steps it replayed, yet the run is bit-exact")
+        return 1
     return 0
+
+
+def format_verdicts(attempts: list[dict[str, Any]]) -> str:
+    """What each resume proved about the steps it replayed (``agent.verify``), by attempt."""
+    said = [
+        f"attempt {attempt['epoch']} {format_verification(attempt['verification'])}"
+        for attempt in attempts
+        if attempt.get("verification")
+    ]
+    return ", ".join(said) or "none reported"
+
+
+def format_verification(verification: dict[str, Any]) -> str:
+    """``verified 37 steps``, ``diverged at 1204: loss 2.3811 vs 2.3809``, ``unverifiable``."""
+    if verification["verdict"] == "verified":
+        return f"verified {verification['steps_compared']} steps"
+    first = verification.get("first_difference")
+    if verification["verdict"] == "diverged" and first:
+        return f"diverged at {first['step']}: {first['part']} {first['expected']} vs {first['got']}"
+    return str(verification["verdict"])
 
 
 def _states(path: Path, nproc: int) -> list[dict[str, Any]]:

@@ -257,6 +257,7 @@ def train_micro_batch(job: Job, inputs: torch.Tensor, labels: torch.Tensor) -> N
         job.scheduler.step()
         counters.step += 1
         counters.micro_step = 0
+    job.ckpt.step_done(loss.detach())  # the fingerprint a resume compares its replay with
 
 
 def aim_drill(
@@ -361,7 +362,7 @@ def parse_position(text: str) -> tuple[int, int]:
 def final_state(job: Job) -> dict[str, Any]:
     """Everything two runs must agree on, in a form ``torch.load(weights_only=True)`` reads."""
     optim_state = job.optimizer.state_dict()
-    records = job.records
+    records, verified = job.records, job.ckpt.verification
     return {
         "model": {name: t.clone() for name, t in job.model.state_dict().items()},
         "optimizer": {
@@ -374,6 +375,7 @@ def final_state(job: Job) -> dict[str, Any]:
         "positions": [(step, micro) for step, micro, _, _ in records],
         "losses": torch.stack([loss for _, _, loss, _ in records]) if records else torch.empty(0),
         "record_lrs": [lr for _, _, _, lr in records],
+        "verification": None if verified is None else json.dumps(verified.to_json()),
     }
 
 

@@ -93,8 +93,10 @@ class PendingSave:
 
         Raises:
             TimeoutError: still in flight after ``timeout`` seconds.
-            StoreError, ControlPlaneError, FencedError: the persist failed (see
-                ``Checkpointer.save``).
+            StoreError: the store failed; no manifest was written, so no bundle exists.
+            FencedError: a newer attempt of the run registered; this process must stop.
+            ControlPlaneError: the control plane refused the bundle (its message says why)
+                or stayed unreachable through the retries.
         """
         try:
             return self._future.result(timeout)

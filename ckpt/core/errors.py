@@ -8,6 +8,7 @@
     ├── BundleExistsError          save: store-only, a resumable bundle at this position that this process did not resume past
     ├── RankError                  the ranks of a job could not meet, or disagree (a step, a result)
     ├── ImportSourceError          import: a checkpoint is damaged, unsafe to unpickle, or lacks layers
+    ├── ResumeDivergedError        a resume's replayed steps differ from the interrupted attempt's (CKPT_VERIFY_STOP)
     ├── StoreError                 the object store failed to read or write a key
     │   ├── BadObjectError         the store answered: no such key, or an object too large
     │   └── StoreAccessError       no credentials for the store, or it refused them: not retried
@@ -66,6 +67,11 @@ class ImportSourceError(CkptError, ValueError):
     """``ckpt import`` cannot make a bundle of this checkpoint: a file is damaged or not what
     its name says, holds objects that only an unsafe unpickling loads, or the checkpoint lacks
     layers the user did not accept without (the message names the file or the layers)."""
+
+
+class ResumeDivergedError(CkptError):
+    """The steps a resumed attempt replayed differ from what the interrupted attempt computed
+    (raised only with ``CKPT_VERIFY_STOP``; else a warning): the resume is not bit-exact."""
 
 
 class StoreError(CkptError):

@@ -159,6 +159,8 @@ class CheckpointCallback(TrainerCallback):
         counters = self.checkpointer.counters
         counters.step = self.trainer.state.global_step
         counters.epoch, counters.batch = epoch, batches
+        # The loss summed since the last log (reset in place there): what a resume compares.
+        self.checkpointer.step_done(self.trainer._tr_loss.detach().clone())
         self.checkpointer.maybe_save()
 
     def on_train_end(

@@ -244,6 +244,8 @@ class CheckpointCallback(pl.Callback):
         assert source is not None
         source.consumed()
         self._count(trainer, ckpt)
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        ckpt.step_done(loss if isinstance(loss, torch.Tensor) else None)  # agent.verify
         ckpt.maybe_save()  # after a stop signal, this saves, ends the attempt and exits
 
     def _count(self, trainer: pl.Trainer, ckpt: Checkpointer) -> None:

@@ -10,6 +10,7 @@ with the final state to ``--out`` in the form ``agent.demo.compare.differences``
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import tempfile
@@ -91,6 +92,7 @@ class Drills(TrainerCallback):
 
     def __init__(self, ckpt: CheckpointCallback, args: argparse.Namespace) -> None:
         self.ckpt, self.args = ckpt, args
+        self.verification: str | None = None  # the resume's verdict, as JSON, once known
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any
@@ -98,6 +100,8 @@ class Drills(TrainerCallback):
         # Step ``global_step`` is over here: logged, evaluated and (maybe) saved.
         checkpointer = self.ckpt.checkpointer
         assert checkpointer is not None
+        if checkpointer.verification is not None:
+            self.verification = json.dumps(checkpointer.verification.to_json())
         if state.global_step == self.args.kill_at:
             checkpointer.wait()
             print(f"killed after step {state.global_step}", flush=True)
@@ -216,6 +220,11 @@ def final_state(trainer: RecordingTrainer, train_loss: float) -> dict[str, Any]:
         "epoch": trainer.state.epoch,
         "train_loss": train_loss,
         "fetched": dataset.fetched,
+        "verification": next(
+            each.verification
+            for each in trainer.callback_handler.callbacks
+            if isinstance(each, Drills)
+        ),
     }
 
 

@@ -17,6 +17,7 @@ control: a resume without the rng layer).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -112,6 +113,7 @@ class Drills(pl.Callback):
         self.args, self.checkpoint, self.dataset = args, checkpoint, dataset
         self.positions: list[tuple[int, int, int]] = []
         self.lrs: list[float] = []
+        self.verification: str | None = None  # the resume's verdict, as JSON, once known
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.args.scramble_rng:
@@ -134,6 +136,8 @@ class Drills(pl.Callback):
         ckpt = self.checkpoint.checkpointer
         assert ckpt is not None
         position = (ckpt.counters.step, ckpt.counters.micro_step)
+        if ckpt.verification is not None:
+            self.verification = json.dumps(ckpt.verification.to_json())
         if position == (self.args.kill_at, 0):
             ckpt.wait()  # the bundle of this step is durable
             assert isinstance(pl_module, Tiny)
@@ -230,6 +234,7 @@ def write(out: Path, trainer: pl.Trainer, model: Tiny, drills: Drills, dataset: 
             "epoch_progress": trainer.fit_loop.epoch_progress.state_dict(),
             "optimizer_steps": epoch_loop.automatic_optimization.optim_progress.optimizer_steps,
             "loaded": dataset.loaded,
+            "verification": drills.verification,
         },
         out,
     )

@@ -34,6 +34,9 @@ def demo(cwd: Path, *args: str) -> str:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "BIT-EXACT: yes" in done.stdout
+    # Beside it, each resume's own verdict on the steps it replayed; the two agree.
+    verdicts = re.search(r"^resumes verified: +(.*)$", done.stdout, re.MULTILINE)
+    assert verdicts is not None and "diverged" not in verdicts.group(1), done.stdout
     return done.stdout
 
 
@@ -82,6 +85,8 @@ def test_ckpt_demo_reports_what_happened_on_a_new_and_on_a_reused_store(tmp_path
     assert re.search(
         r"^SIGKILL drill: +fired while the bundle of step \d+ was uploading$", first, re.M
     )
+    # The resume after the SIGKILL replayed the steps since the bundle before: verified.
+    assert re.search(r"^resumes verified: .*attempt \d+ verified \d+ steps", first, re.M)
 
     # The hints work as printed for a user who never activated the virtualenv.
     version = subprocess.run(

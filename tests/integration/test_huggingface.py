@@ -11,6 +11,7 @@ wrapped in ``PerSampleRNG``.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,13 @@ def test_the_callback_and_the_mixin_refuse_to_train_without_each_other(tmp_path:
         skipping.train()
     with pytest.raises(ValueError, match="takes the training objects from the Trainer"):
         CheckpointCallback(run="hf", optimizers=[])
+
+
+def test_a_resume_proves_the_steps_it_replays_without_user_code(tmp_path: Path) -> None:
+    # Killed after step 10, one step past the bundle of step 9: the resume replays step 10
+    # and compares it (the loss the callback reported, the parameters) with the dead one's.
+    store = tmp_path / "store"
+    train(store, tmp_path / "unused.pt", "--kill-at", "10", expect_rc=-9)
+    resumed = train(store, tmp_path / "resumed.pt")
+    verification = json.loads(resumed["verification"])
+    assert (verification["verdict"], verification["steps_compared"]) == ("verified", 1)

@@ -9,6 +9,7 @@ the bundle it aims at is durable, so nothing here waits on time.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -124,3 +125,14 @@ def test_sigterm_saves_exits_143_and_resumes_bit_exactly(
     step, _, batch = resumed["positions"][0]
     assert (step, batch % 2) > (18, 0)  # saved after the signal
     assert_same_run(reference, resumed)
+
+
+def test_a_resume_proves_the_steps_it_replays_without_user_code(tmp_path: Path) -> None:
+    # Saving every 5 steps and killed at step 12: the resume from step 10 replays the
+    # micro-batches up to step 12 and compares each (loss, parameters) with the dead one's.
+    every = ("--every", "5")
+    lightning(tmp_path / "store", tmp_path / "unused.pt", *every, "--kill-at", "12", expect_rc=-9)
+    resumed = lightning(tmp_path / "store", tmp_path / "resumed.pt", *every)
+    verification = json.loads(resumed["verification"])
+    assert verification["verdict"] == "verified", verification
+    assert verification["steps_compared"] == 4  # 10.1, 11.0, 11.1, 12.0

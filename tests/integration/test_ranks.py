@@ -5,6 +5,7 @@ dying mid-save; FSDP2 resharded between world sizes."""
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,6 +91,10 @@ def test_every_rank_killed_then_resumed_is_bit_exact(
     assert killed.codes == [-9] * world, killed.text()
     resumed = resume(world, store, out, parallel, "--sampler", sampler, *extra)
     assert_bit_exact(reference(parallel, world, sampler, *extra), resumed)
+    # Every rank compared its own steps (4.1, 5.0, 5.1) with the killed attempt's: verified.
+    for rank, state in enumerate(resumed):
+        verification = json.loads(state["verification"])
+        assert (verification["verdict"], verification["steps_compared"]) == ("verified", 3), rank
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_one_boundary(

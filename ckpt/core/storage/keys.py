@@ -4,6 +4,11 @@
     runs/<run>/bundles/<position>/manifest.json   a bundle's commit record
     runs/<run>/bundles/<position>/rank-<rank:05d>.json
                                                 one rank's record, store-only, many ranks
+    runs/<run>/fingerprints/<attempt>/rank-<rank:05d>.json
+                                                one attempt's fingerprints of its steps since its
+                                                newest bundle, store-only (agent.verify)
+    runs/<run>/fingerprints/<attempt>/verification.json
+                                                what that attempt's resume proved, store-only
 
 A bundle is named by its training position: ``<step:012d>`` at micro step 0 (every bundle
 before micro steps had keys), ``<step:012d>_<micro step:06d>`` within a gradient
@@ -16,6 +21,7 @@ from __future__ import annotations
 import re
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_FINGERPRINTS = re.compile(r"runs/[^/]+/fingerprints/(\d{20})/rank-(\d{5,})\.json")
 _MANIFEST = re.compile(r"runs/[^/]+/bundles/(\d{12,})(?:_(\d{6,}))?/manifest\.json")
 
 
@@ -57,3 +63,23 @@ def manifest_position(key: str) -> tuple[int, int] | None:
     """The (step, micro step) of a manifest key, or None for any other key."""
     match = _MANIFEST.fullmatch(key)
     return (int(match.group(1)), int(match.group(2) or 0)) if match else None
+
+
+def fingerprints_prefix(run: str) -> str:
+    return f"runs/{check_run_name(run)}/fingerprints/"
+
+
+def fingerprints_key(run: str, attempt: str, rank: int) -> str:
+    """One rank's fingerprints in one attempt (store-only), named by when it started
+    (``<nanoseconds:020d>``, so that a listing sorts the attempts by age)."""
+    return f"{fingerprints_prefix(run)}{attempt}/rank-{rank:05d}.json"
+
+
+def verification_key(run: str, attempt: str) -> str:
+    return f"{fingerprints_prefix(run)}{attempt}/verification.json"
+
+
+def fingerprints_owner(key: str) -> tuple[str, int] | None:
+    """The (attempt, rank) of a fingerprints key, or None for any other key."""
+    match = _FINGERPRINTS.fullmatch(key)
+    return (match.group(1), int(match.group(2))) if match else None

@@ -1,0 +1,213 @@
+"""Fingerprint every step; after a resume, compare the replayed steps with the dead attempt's.
+
+The loop tells the verifier where it is (``Checkpointer.maybe_save``, ``step_done``); an
+optimizer step since the last position makes that position's fingerprint sample the
+parameters. After a resume the ranks agree on the end of the replay window (the newest
+position any rank's predecessor kept); at the first ``maybe_save`` there, or at ``end()``
+before it, the ranks gather their comparisons once and rank 0 reports the verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from agent.catalog.base import Catalog
+from agent.config import Config
+from agent.ranks.base import MEET_SECONDS, Ranks
+from agent.save.policy import Position
+from agent.state.objects import TrainingObjects
+from agent.summary import announce
+from agent.verify.compare import (
+    Fingerprint,
+    Mode,
+    Place,
+    RankComparison,
+    Verdict,
+    Verification,
+    compare,
+    reduce,
+)
+from agent.verify.digest import ParamSample
+from agent.verify.keep import Keeper, open_keeper
+from agent.verify.ring import Ring
+from ckpt.core.errors import CkptError, ResumeDivergedError
+from ckpt.core.storage import ObjectStore
+
+log = logging.getLogger("ckpt")
+
+
+class Verifier:
+    """One process's fingerprints and, after a resume, its verdict."""
+
+    def __init__(
+        self,
+        *,
+        run: str,
+        mode: Mode | None,
+        stop: bool,
+        models: Mapping[str, nn.Module],
+        optimizers: Iterable[torch.optim.Optimizer],
+        ranks: Ranks,
+        keeper: Callable[[Ring], Keeper],
+        durable: Callable[[], Position | None],
+        quiet: bool,
+    ) -> None:
+        self._run, self._mode, self._stop, self._ranks, self._quiet = run, mode, stop, ranks, quiet
+        self._durable = durable
+        self.ring = Ring()
+        self._keeper = keeper(self.ring) if mode is not None else None
+        self._sample = ParamSample(models if mode is not None else {})
+        optimizers = list(optimizers) if mode is not None else []
+        self._hooks = [each.register_step_post_hook(self._stepped) for each in optimizers]
+        self._by_step = not optimizers  # without optimizers: a new step is a new state
+        self._pending_step = False
+        self._last_step: int | None = None
+        self._dropped: Position | None = None  # the durable position the ring forgot up to
+        self._expected: list[Fingerprint] = []  # the dead attempt's fingerprints this rank replays
+        self._window_end: Place | None = None  # the ranks' newest such position
+        self._from_attempt: int | None = None
+        self.verification: Verification | None = None
+
+    def _stepped(self, *_: object) -> None:
+        self._pending_step = True
+
+    def record(self, position: Position, *, loss: torch.Tensor | float | None = None) -> None:
+        """Fingerprint ``position``: the loss, if given, and the parameters' sample when an
+        optimizer stepped since the last position."""
+        if self._mode is None:
+            return
+        if self._pending_step or (self._by_step and position.step != self._last_step):
+            self._pending_step, self._last_step = False, position.step
+            self._forget_durable()
+            sample = self._sample.take()
+        elif loss is None:
+            return  # nothing to keep: the common case of maybe_save between optimizer steps
+        else:
+            sample = None
+        self.ring.record((position.step, position.micro_step), sample=sample, loss=loss)
+
+    def _forget_durable(self) -> None:
+        """Drop the positions up to the newest durable bundle (no resume goes before it)."""
+        durable = self._durable()
+        if durable is not None and durable != self._dropped:
+            self.ring.drop_through((durable.step, durable.micro_step))
+            self._dropped = durable
+
+    def at(self, position: Position) -> None:
+        """The loop reached ``position`` on every rank (``maybe_save``): fingerprint it, and
+        conclude the replay where its window ends.
+
+        Raises:
+            ResumeDivergedError: it diverged, with ``CKPT_VERIFY_STOP`` set.
+        """
+        self.record(position)
+        if (
+            self._window_end is not None
+            and (position.step, position.micro_step) >= self._window_end
+        ):
+            self.conclude()
+
+    def resumed(self, position: Position) -> None:
+        """This attempt resumed its run at ``position`` (every rank): read what the dead
+        attempt computed after it and agree on where the replay ends."""
+        if self._keeper is None:
+            return
+        self.ring.clear()
+        self._pending_step, self._last_step = False, position.step
+        place = (position.step, position.micro_step)
+        try:
+            self._from_attempt, self._expected = self._keeper.replay(place)
+        except (CkptError, ValueError) as err:
+            log.warning(
+                "run %s: cannot read the interrupted attempt's fingerprints: %s", self._run, err
+            )
+            self._from_attempt, self._expected = None, []
+        ends = self._ranks.gather(
+            self._expected[-1].place if self._expected else None, timeout=MEET_SECONDS
+        )
+        self._window_end = max((end for end in ends if end is not None), default=None)
+        if self._window_end is None:
+            self.conclude()
+
+    def conclude(self) -> None:
+        """Compare the replay so far on every rank (a meeting); rank 0 reports the verdict."""
+        self._window_end = None
+        assert self._mode is not None and self._keeper is not None
+        got = {each.place: each for each in self.ring.snapshot()}
+        mine = compare(self._expected, got, rank=self._ranks.rank, mode=self._mode)
+        everyone: list[tuple[RankComparison, int | None]] = self._ranks.gather(
+            (mine, self._from_attempt), timeout=MEET_SECONDS
+        )
+        source = next((attempt for _, attempt in everyone if attempt is not None), None)
+        verification = reduce(
+            [each for each, _ in everyone], mode=self._mode, from_attempt_id=source
+        )
+        self.verification, self._expected = verification, []
+        if self._ranks.rank == 0:
+            self._tell(verification)
+        if verification.verdict is Verdict.DIVERGED and self._stop:
+            raise ResumeDivergedError(
+                f"run {self._run}: the resume {verification} (CKPT_VERIFY_STOP stops here)"
+            )
+
+    def _tell(self, verification: Verification) -> None:
+        line = f"ckpt: run {self._run}: resume {verification}"
+        if verification.verdict is Verdict.DIVERGED:
+            log.warning("%s", line)
+        else:
+            announce(line, quiet=self._quiet)
+        try:
+            assert self._keeper is not None
+            self._keeper.report(verification)
+        except CkptError as err:
+            log.warning("run %s: could not record the resume's verdict: %s", self._run, err)
+
+    def flush(self) -> None:
+        """Keep the fingerprints recorded so far where the next attempt reads them."""
+        try:
+            if self._keeper is not None:
+                self._keeper.flush()
+        except CkptError as err:
+            log.warning("run %s: could not keep the fingerprints: %s", self._run, err)
+
+    def finish(self) -> None:
+        """The attempt ends (every rank): conclude a replay cut short, keep the rest."""
+        if self._window_end is not None:
+            self.conclude()
+        self.flush()
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self._keeper is not None:
+            self._keeper.close()
+
+
+def open_verifier(
+    config: Config,
+    *,
+    objects: TrainingObjects,
+    ranks: Ranks,
+    catalog: Catalog,
+    store: ObjectStore,
+    durable: Callable[[], Position | None],
+) -> Verifier:
+    """The verifier ``config.verify`` asks for, keeping fingerprints where the catalog is."""
+    keeper = open_keeper(
+        catalog, store=store, run=config.run, rank=ranks.rank, seconds=config.heartbeat_seconds
+    )
+    return Verifier(
+        run=config.run,
+        mode=Mode.parse(config.verify),
+        stop=config.verify_stop,
+        models=objects.models,
+        optimizers=objects.optimizers.values(),
+        ranks=ranks,
+        keeper=keeper,
+        durable=durable,
+        quiet=config.quiet,
+    )
