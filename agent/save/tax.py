@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,8 @@ class StepClock:
     """Times the optimizer steps of the loop (from any one thread), and the saves that
     overlap them (from the persist thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._steps = 0
         self._last: float | None = None
@@ -57,7 +58,7 @@ class StepClock:
         return [] if first is None else [first.register_step_pre_hook(lambda *_: self.tick())]
 
     def tick(self) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         with self._lock:
             if self._last is not None and not self._overlapped:
                 self._plain.append(now - self._last)
@@ -77,7 +78,7 @@ class StepClock:
 
     def ended(self, window: Window | None) -> float | None:
         """The save that started at ``window`` is durable (or failed) now: its tax."""
-        now = time.perf_counter()
+        now = self._clock()
         with self._lock:
             self._saving -= 1
             if window is None or self._last is None:
