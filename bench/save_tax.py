@@ -293,7 +293,9 @@ def main() -> None:
             for round_ in range(args.repeat):
                 shift = round_ % len(METHODS)
                 for method in METHODS[shift:] + METHODS[:shift]:
-                    figures[method].trials.append(trial(method, loop, work, 2 + round_))
+                    done = trial(method, loop, work, 2 + round_)
+                    figures[method].trials.append(done)
+                    print(f"  {kind} {method}: {done}", file=sys.stderr, flush=True)
                     floors.append(copy_floor(tensors, buffers))
             report(kind, figures, statistics.median(floors), size)
     finally:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -68,10 +69,10 @@ class NicenessStore(DirectoryStore):
 
     seen: set[int]
 
-    def put(self, key: str, pieces: object) -> None:  # type: ignore[override]
+    def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         if key.startswith("blobs/"):
             self.seen.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        super().put(key, pieces)  # type: ignore[arg-type]
+        super().put(key, pieces)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
