@@ -14,7 +14,6 @@ training's priority: they take the CPU the loop leaves (``agent.save.tax`` measu
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -44,7 +43,7 @@ from ckpt.core.contract import Layer, LayerRecord, Manifest
 from ckpt.core.errors import CkptError, SaveLostError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
-from ckpt.core.threads import lower_priority
+from ckpt.core.threads import lower_priority, save_niceness
 
 log = logging.getLogger("ckpt")
 
@@ -79,7 +78,7 @@ class Persister:
             1,
             thread_name_prefix="ckpt-persist",
             initializer=lower_priority,  # the threads it starts inherit this niceness
-            initargs=(int(os.environ.get("CKPT_SAVE_NICENESS", "10")),),
+            initargs=(save_niceness(),),
         )
         # Deferred commits, in order, on a daemon thread: one the control plane never
         # answers must not hold the interpreter's exit (``finish`` bounds the wait).

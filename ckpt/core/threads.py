@@ -47,3 +47,18 @@ def lower_priority(niceness: int) -> None:
     thread = threading.get_native_id()
     with contextlib.suppress(OSError):  # a container may forbid it: the save runs all the same
         os.setpriority(os.PRIO_PROCESS, thread, os.getpriority(os.PRIO_PROCESS, thread) + niceness)
+
+
+def save_niceness() -> int:
+    """How far below training a save's background threads run (``CKPT_SAVE_NICENESS``).
+
+    Raises:
+        ValueError: the variable is not a whole number from 0 to 19.
+    """
+    raw = os.environ.get("CKPT_SAVE_NICENESS", "").strip() or "10"
+    if not raw.isdigit() or int(raw) > 19:
+        raise ValueError(
+            f"CKPT_SAVE_NICENESS={raw!r}: expected a whole number from 0 (the save's threads at "
+            "training's priority) to 19 (the lowest)"
+        )
+    return int(raw)

@@ -93,6 +93,16 @@ def test_the_save_threads_yield_to_training(
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # not the loop's
 
 
+@pytest.mark.parametrize("setting", ["-1", "20", "low"])
+def test_a_bad_niceness_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    monkeypatch.setenv("CKPT_SAVE_NICENESS", setting)
+    model, optimizer = job()
+    with pytest.raises(ValueError, match=r"CKPT_SAVE_NICENESS=.*from 0 .* to 19"):
+        open_checkpointer(tmp_path, model, optimizer)
+
+
 PEAK = textwrap.dedent(
     """
     import gc, json, os, sys, tempfile
