@@ -118,9 +118,8 @@ class Checkpointer:
         )
         self._staging = StagingArea(budget=config.staging_bytes)
         self.time_spent = TimeAccount()  # where this attempt's time goes (goodput)
-        self._step_hooks = self._staging.hold_steps(
-            self.objects.optimizers.values(), stalled=self.time_spent.stalled
-        )
+        optimizers = self.objects.optimizers.values()
+        self._step_hooks = self._staging.hold_steps(optimizers, stalled=self.time_spent.stalled)
         self._persister = Persister(
             run=config.run,
             store=self.store,
@@ -138,6 +137,7 @@ class Checkpointer:
             store=self.store,
             durable=lambda: self._persister.durable_at,
         )
+        self._step_hooks += self._persister.steps.watch(optimizers)
         self._preemption = Preemption(
             run=config.run,
             ranks=self.ranks,

@@ -17,6 +17,7 @@ from agent.attempt.notices import CLOUDS
 from agent.format.chunking import DEFAULT_BLOB_BYTES, MAX_BLOB_BYTES
 from agent.verify.compare import Mode
 from ckpt.core.storage.keys import check_run_name
+from ckpt.core.threads import save_niceness
 from ckpt.core.tokens import clean_token
 
 DEFAULT_STORE = ".ckpt/store"
@@ -241,6 +242,7 @@ class Config:
         object.__setattr__(self, "notices", clouds)
         if self.metadata_url is not None and urlparse(self.metadata_url).scheme != "http":
             raise ValueError(f"metadata_url must be an http URL, got {self.metadata_url!r}")
+        save_niceness()  # read by the persist thread: refused here, before anything starts
 
     def _check_every(self) -> None:
         if self.every is not None:

@@ -8,4 +8,5 @@ snapshot  a staged save: its tensors, the copies left for later, the next step's
 persist   hash, upload, record, commit on one background thread
 upload    each layer's payload cut into blobs, hashed, stored unless held already
 result    ``PendingSave`` (staged) and ``SaveResult`` (durable)
+tax       what a save cost the loop's steps until durable, stall included
 """

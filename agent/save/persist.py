@@ -6,7 +6,9 @@ save is written at a time (one staging copy): the next waits or is skipped. A co
 control plane does not answer goes to the commit thread (a daemon, which ``finish`` waits
 for a bounded time): it commits in order once answered, holding only layer records. A
 failure is raised once, by ``PendingSave.wait`` or the next ``Persister.wait``; a deferred
-save that cannot be committed (``SaveLostError``) by its own ``wait`` only.
+save that cannot be committed (``SaveLostError``) by its own ``wait`` only. The persist
+thread, and the hashing and writing threads it starts, run ``CKPT_SAVE_NICENESS`` (10) below
+training's priority: they take the CPU the loop leaves (``agent.save.tax`` measures the rest).
 """
 
 from __future__ import annotations
@@ -21,17 +23,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from agent.catalog.base import Catalog, Deferred, Upload
 from agent.catalog.manifests import bundle_name, bundle_name_at
-from agent.ranks.base import MEET_SECONDS, Ranks
+from agent.ranks.base import Ranks
 from agent.save.policy import Position
 from agent.save.result import PendingSave, SaveResult
 from agent.save.snapshot import Staged
+from agent.save.tax import StepClock, Window
 from agent.save.upload import (
     BlobHashes,
     BlobSources,
     HeldBlobs,
-    Share,
+    Replicas,
     WriteStats,
-    blobs_alike,
     durable_together,
     upload_layer,
 )
@@ -41,6 +43,7 @@ from ckpt.core.contract import Layer, LayerRecord, Manifest
 from ckpt.core.errors import CkptError, SaveLostError, StateChangedError
 from ckpt.core.progress import Progress
 from ckpt.core.storage import ObjectStore
+from ckpt.core.threads import lower_priority, save_niceness
 
 log = logging.getLogger("ckpt")
 
@@ -65,12 +68,18 @@ class Persister:
         self.save_seconds: float | None = None  # stall + persist of the last durable save
         self._run, self._store, self._catalog = run, store, catalog
         self._blob_bytes, self._ranks, self._quiet = blob_bytes, ranks, quiet
+        self.steps = StepClock()  # the loop's optimizer steps (``watch``), for each save's tax
         self._replicated = replicated  # layers every rank holds alike (DDP): one upload
-        self._told_unalike = False  # warned that such a layer differs between the ranks
+        self._replicas = Replicas(ranks) if replicated and ranks.world_size > 1 else None
         self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
         self._unsettled: list[PendingSave] = []  # submitted, outcome not yet taken; oldest first
         self._writing: Future[None] | None = None  # the newest save's bytes, until written
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckpt-persist")
+        self._thread = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="ckpt-persist",
+            initializer=lower_priority,  # the threads it starts inherit this niceness
+            initargs=(save_niceness(),),
+        )
         # Deferred commits, in order, on a daemon thread: one the control plane never
         # answers must not hold the interpreter's exit (``finish`` bounds the wait).
         self._commits: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -92,6 +101,7 @@ class Persister:
     ) -> PendingSave:
         """Start persisting a staged save, the previous one's bytes written (``settle``)."""
         durable: Future[SaveResult] = Future()
+        window = self.steps.started()
         self._writing = self._thread.submit(
             self._persist,
             states,
@@ -100,6 +110,7 @@ class Persister:
             stall=stall,
             position=position,
             durable=durable,
+            window=window,
         )
         pending = PendingSave(
             bundle=self._name(position), step=step, stall_seconds=stall, future=durable
@@ -220,6 +231,7 @@ class Persister:
         stall: float,
         position: Position,
         durable: Future[SaveResult],
+        window: Window | None,
     ) -> None:
         """Write the save's bytes and commit it (or defer: ``durable`` gets the outcome)."""
         started = time.perf_counter()
@@ -240,7 +252,7 @@ class Persister:
             outcome = self._catalog.commit(upload, position=position)
         except Exception as err:
             log.exception("run %s: saving %s failed", self._run, self._name(position))
-            durable.set_exception(err)
+            self._failed(durable, err)
             return
         finally:
             staged.release(check=False)  # never leave the next optimizer step waiting
@@ -257,6 +269,7 @@ class Persister:
                     stall=stall,
                     started=started,
                     position=position,
+                    window=window,
                 )
             )
 
@@ -275,9 +288,13 @@ class Persister:
             (log.warning if lost else log.exception)(
                 "run %s %s: %s", self._run, deferred.position, err
             )
-            durable.set_exception(err)
+            self._failed(durable, err)
             return
         done(manifest)
+
+    def _failed(self, durable: Future[SaveResult], err: BaseException) -> None:
+        self.steps.ended(None)  # no tax: the save is not kept
+        durable.set_exception(err)
 
     def _durable(
         self,
@@ -289,6 +306,7 @@ class Persister:
         stall: float,
         started: float,
         position: Position,
+        window: Window | None,
     ) -> SaveResult:
         """The save is committed: what it cost, said and reported."""
         result = SaveResult(
@@ -301,6 +319,7 @@ class Persister:
             copied_bytes=staged.copied_bytes,
             hashed_bytes=stats.payload_bytes - hashes.reused_bytes,
             step_wait_seconds=staged.step_wait_seconds,
+            tax_seconds=self.steps.ended(window),
         )
         self.durable_at = position
         self.save_seconds = result.stall_seconds + result.persist_seconds
@@ -330,7 +349,7 @@ class Persister:
                 )
             stats.seen.clear()  # a second round uploads the blobs that vanished again
             stats.payload_bytes = 0
-            share = self._share()
+            share = self._replicas.share() if self._replicas else None
             with durable_together(self._store):
                 records = {
                     layer: upload_layer(
@@ -352,26 +371,6 @@ class Persister:
 
     def _name(self, position: Position) -> str:
         return bundle_name_at(self._run, (position.step, position.micro_step))
-
-    def _share(self) -> Share | None:
-        """How this save's replicated layers are split among the ranks (None: no such)."""
-        if not self._replicated or self._ranks.world_size == 1:
-            return None
-
-        def alike(hashes: list[str]) -> list[bool]:
-            flags = blobs_alike(self._ranks.gather(tuple(hashes), timeout=MEET_SECONDS))
-            if not all(flags) and not self._told_unalike:
-                self._told_unalike = True
-                log.warning(
-                    "ckpt: %d of %d blobs of a layer DDP replicates differ between the ranks "
-                    "(buffers such as batch-norm statistics, changed since DDP last broadcast "
-                    "them): every rank stores those itself (said once)",
-                    flags.count(False),
-                    len(flags),
-                )
-            return flags
-
-        return Share(rank=self._ranks.rank, world_size=self._ranks.world_size, alike=alike)
 
     def _announce(self, result: SaveResult, position: Position) -> None:
         """One line per durable save; the details at debug level."""

@@ -24,6 +24,11 @@ class SaveResult:
             being blobs the store already held.
         copied_bytes: tensor bytes staging copied (unchanged frozen tensors are not);
             hashed_bytes: payload bytes hashed (the rest reused the last save's hashes).
+        tax_seconds: how much later the training loop reached where it is because of this
+            save: the extra time of the optimizer steps from ``save()`` until durable over
+            the median step before it (``agent.save.tax``). It holds the stall and what
+            the background hashing and writing took from training. None until the loop has
+            made a few steps without a save in flight.
     """
 
     bundle: str
@@ -35,6 +40,7 @@ class SaveResult:
     copied_bytes: int = 0
     hashed_bytes: int = 0
     step_wait_seconds: float = 0.0
+    tax_seconds: float | None = None
 
     @property
     def throughput(self) -> float:

@@ -114,6 +114,7 @@ class StagingArea:
         freed = self.nbytes
         self._buffers.clear()
         self._fingerprints.clear()
+        self._last = None  # its tensors are the buffers: they are freed only with it
         return freed
 
     def stage(

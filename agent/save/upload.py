@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.format import payload
 from agent.format.chunking import GROUP_BYTES, plan_blobs
+from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.state.capture import LayerState
 from ckpt.core.contract import BlobRef, LayerRecord
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
+
+log = logging.getLogger("ckpt")
 
 
 @dataclass
@@ -109,6 +113,32 @@ class Share:
             owners[index] = owner
             self.loads[owner] += sizes[index]
         return owners
+
+
+@dataclass
+class Replicas:
+    """The ranks of a job whose replicated layers are shared (``Share``) save by save."""
+
+    ranks: Ranks
+    told_unalike: bool = False  # warned that such a layer differs between the ranks
+
+    def share(self) -> Share:
+        """How this save's replicated layers are split among the ranks."""
+
+        def alike(hashes: list[str]) -> list[bool]:
+            flags = blobs_alike(self.ranks.gather(tuple(hashes), timeout=MEET_SECONDS))
+            if not all(flags) and not self.told_unalike:
+                self.told_unalike = True
+                log.warning(
+                    "ckpt: %d of %d blobs of a layer DDP replicates differ between the ranks "
+                    "(buffers such as batch-norm statistics, changed since DDP last broadcast "
+                    "them): every rank stores those itself (said once)",
+                    flags.count(False),
+                    len(flags),
+                )
+            return flags
+
+        return Share(rank=self.ranks.rank, world_size=self.ranks.world_size, alike=alike)
 
 
 def upload_layer(
