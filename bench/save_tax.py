@@ -54,7 +54,7 @@ METHODS = (
     "none",
     "ckpt",
     "ckpt overlap off",
-    "ckpt niceness 0",
+    "ckpt niceness 10",
     "DCP async_save",
     "torch.save + fsync",
 )
@@ -133,14 +133,14 @@ def saver(method: str, loop: Loop, work: Path) -> Iterator[Callable[[int], Start
     if method == "none":
         yield None
     elif method.startswith("ckpt"):
-        if method == "ckpt niceness 0":  # the background threads as before ckpt lowered them
-            os.environ["CKPT_SAVE_NICENESS"] = "0"
+        if method == "ckpt niceness 10":  # the background threads below training's priority
+            os.environ["CKPT_SAVE_NICENESS"] = "10"
         with Checkpointer(
             run="tax",
             store=open_store(str(target)),
             models=loop.model,
             optimizers=loop.optimizer,
-            overlap=method == "ckpt",
+            overlap=method != "ckpt overlap off",
         ) as ckpt:
 
             def save(step: int) -> Started:

@@ -7,8 +7,9 @@ control plane does not answer goes to the commit thread (a daemon, which ``finis
 for a bounded time): it commits in order once answered, holding only layer records. A
 failure is raised once, by ``PendingSave.wait`` or the next ``Persister.wait``; a deferred
 save that cannot be committed (``SaveLostError``) by its own ``wait`` only. The persist
-thread, and the hashing and writing threads it starts, run ``CKPT_SAVE_NICENESS`` (10) below
-training's priority: they take the CPU the loop leaves (``agent.save.tax`` measures the rest).
+thread, and the hashing and writing threads it starts, run ``CKPT_SAVE_NICENESS`` (default 0) below
+training's priority: above 0 they take the CPU the loop leaves (``agent.save.tax`` measures the
+rest).
 """
 
 from __future__ import annotations

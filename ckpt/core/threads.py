@@ -55,7 +55,7 @@ def save_niceness() -> int:
     Raises:
         ValueError: the variable is not a whole number from 0 to 19.
     """
-    raw = os.environ.get("CKPT_SAVE_NICENESS", "").strip() or "10"
+    raw = os.environ.get("CKPT_SAVE_NICENESS", "").strip() or "0"
     if not raw.isdigit() or int(raw) > 19:
         raise ValueError(
             f"CKPT_SAVE_NICENESS={raw!r}: expected a whole number from 0 (the save's threads at "

@@ -76,7 +76,7 @@ class NicenessStore(DirectoryStore):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
-@pytest.mark.parametrize(("setting", "raised"), [(None, 10), ("0", 0), ("3", 3)])
+@pytest.mark.parametrize(("setting", "raised"), [(None, 0), ("10", 10), ("3", 3)])
 def test_the_save_threads_yield_to_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None, raised: int
 ) -> None:
