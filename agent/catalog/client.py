@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from ckpt.core.tokens import bearer
 log = logging.getLogger("ckpt.client")
 
 _RETRY_STATUSES = (500, 502, 503, 504)
+BLOBS_PER_QUERY = 10_000  # the most blobs the control plane takes in one query
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,11 @@ class IncompleteCommitError(ControlPlaneError):
         return {blob["sha256"] for blob in self.missing.get("blobs", [])}
 
 
-# The least one try waits for its answer, however short the caller's patience: a save's calls
-# wait half a second for a control plane that does not answer at all (down, dropping
-# connections), but a busy one that answers in a few seconds is not taken for an outage.
+# The least one try waits for its answer, however short the caller's patience, up to twice
+# that patience: a save's calls wait half a second for a control plane that does not answer
+# at all (down, dropping connections) and a second for one that holds the connection without
+# answering (a black hole: the next save waits on no more), while a busy one that answers in
+# under a second is not taken for an outage; a call with more patience waits this long.
 TRY_SECONDS = 5.0
 
 
@@ -172,13 +176,18 @@ class ControlPlane:
         return bundle_id
 
     def missing_blobs(self, blobs: list[BlobRef], *, patience: float | None = None) -> set[str]:
-        body = self._call(
-            "POST",
-            "/v1/blobs/missing",
-            {"blobs": [b.model_dump(mode="json") for b in blobs]},
-            patience=patience,
-        )
-        return set(body["missing"])
+        """Which of ``blobs`` the store lacks: one request per ``BLOBS_PER_QUERY`` blobs."""
+        missing: set[str] = set()
+        for start in range(0, len(blobs), BLOBS_PER_QUERY):
+            page = blobs[start : start + BLOBS_PER_QUERY]
+            body = self._call(
+                "POST",
+                "/v1/blobs/missing",
+                {"blobs": [b.model_dump(mode="json") for b in page]},
+                patience=patience,
+            )
+            missing.update(body["missing"])
+        return missing
 
     def record_layer(
         self,
@@ -197,14 +206,40 @@ class ControlPlane:
             patience=patience,
         )
 
+    def record_layers(
+        self,
+        bundle_id: int,
+        *,
+        rank: int,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None = None,
+        saves: Sequence[tuple[int, SaveFigures]] = (),
+    ) -> None:
+        """Record every layer of one rank in one request (all or none), with the figures of
+        this rank's earlier ``saves`` (bundle id, figures) when there are some."""
+        if not records:
+            return
+        layers = {layer.value: record.model_dump(mode="json") for layer, record in records.items()}
+        body: dict[str, Any] = {"epoch": epoch, "layers": layers}
+        if saves:
+            body["saves"] = [
+                {"bundle": bundle, "figures": figures.model_dump(mode="json")}
+                for bundle, figures in saves
+            ]
+        self._call("POST", f"/v1/bundles/{bundle_id}/layers/{rank}", body, patience=patience)
+
     def commit(self, bundle_id: int, *, epoch: int, patience: float | None = None) -> Manifest:
         body = self._call(
             "POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch}, patience=patience
         )
         return Manifest.model_validate(body["bundle"]["manifest"])
 
-    def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:
-        self._call("PUT", f"/v1/bundles/{bundle_id}/saves/{rank}", figures.model_dump(mode="json"))
+    def report_save(
+        self, bundle_id: int, *, rank: int, figures: SaveFigures, patience: float | None = None
+    ) -> None:
+        path = f"/v1/bundles/{bundle_id}/saves/{rank}"
+        self._call("PUT", path, figures.model_dump(mode="json"), patience=patience)
 
     def quarantine(self, bundle_id: int, *, reason: str, epoch: int | None, blob: str) -> None:
         """Report ``blob`` of the bundle damaged: the control plane reads it back and
@@ -275,14 +310,15 @@ class ControlPlane:
     ) -> dict[str, Any]:
         """One request, retried on transport errors, 5xx and 429 for at most ``patience``
         seconds (default: the client's ``retry_seconds``) in all: every try is cut short at
-        that deadline, though given ``TRY_SECONDS`` at least (a slow answer is an answer, not
-        an outage), so a control plane that is down or hangs costs no more than the longer of
-        the two. A 429 is retried after the ``Retry-After`` the control plane asks for."""
+        that deadline, though given ``TRY_SECONDS`` at least, or twice ``patience`` when that
+        is less (a slow answer is an answer, not an outage), so a control plane that is down
+        or hangs costs no more than the longer of the two. A 429 is retried after the ``Retry-After`` the control plane asks for."""
         window = self.retry_seconds if patience is None else patience
         deadline = time.monotonic() + window
         delay = 0.2
         while True:
-            timeout = min(self.timeout, max(deadline - time.monotonic(), TRY_SECONDS))
+            least = min(TRY_SECONDS, 2 * window)
+            timeout = min(self.timeout, max(deadline - time.monotonic(), least))
             try:
                 response = self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as err:

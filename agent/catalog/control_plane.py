@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.attempt.interval import ESTIMATE_PATIENCE
@@ -29,8 +29,12 @@ from agent.catalog.client import (
     IncompleteCommitError,
     IntactBlobError,
     Registration,
+    UnansweredError,
     no_answer,
 )
+from agent.catalog.estimate import Estimate
+from agent.catalog.figures import PendingFigures
+from agent.catalog.held import AskedOnce, blobs_of
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
@@ -82,6 +86,13 @@ class ControlPlaneCatalog:
         self._closed = threading.Event()  # deferred commits stop waiting once set
         self._lock = threading.Lock()
         self._waiting: set[Position] = set()  # saves whose commits are deferred, not ended
+        self._figures = PendingFigures()  # this rank's, for its next layer record
+        self._before: dict[str, BlobRef] = {}  # the blobs of the bundle before the next save
+        self._estimate = Estimate(
+            lambda: control.preemption_rate(run, patience=control.retry_seconds),
+            first_wait=ESTIMATE_PATIENCE,
+            what=f"run {run}",
+        )
         self._job = JobCommit(self, closed=self._closed)
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
@@ -89,10 +100,11 @@ class ControlPlaneCatalog:
         control plane names, or (another run) that run's resumable bundle, or its complete
         bundle at ``step``."""
         if own:
-            return self.attempt.register(resume=True).resume_from
+            return self._remember(self.attempt.register(resume=True).resume_from)
         if self.attempt.registration is None:
             self.attempt.register(resume=False)
-        return self.control.resumable(run) if step is None else self.control.bundle_at(run, step)
+        found = self.control.resumable(run) if step is None else self.control.bundle_at(run, step)
+        return self._remember(found)
 
     def fall_back(
         self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
@@ -118,8 +130,8 @@ class ControlPlaneCatalog:
                     "was quarantined; retry the resume"
                 ) from err
         if own:
-            return self.attempt.register(resume=True).resume_from
-        return self.control.resumable(run)
+            return self._remember(self.attempt.register(resume=True).resume_from)
+        return self._remember(self.control.resumable(run))
 
     def verified(self, blobs: Iterable[str]) -> None:
         self._verified.update(blobs)  # for the saves that ask the store itself
@@ -135,12 +147,12 @@ class ControlPlaneCatalog:
         process defers the commit when the control plane does not answer; so do the ranks of
         a job, together (``agent.catalog.job``)."""
         if self.ranks.world_size > 1:
-            return self._job.commit(upload, position=position)
+            return self._committed(self._job.commit(upload, position=position))
         save = _Save(position)
         problem = self.why_defer()
         if problem is None:
             try:
-                return self._advance(save, upload, patience=ANSWER_SECONDS)
+                return self._committed(self._advance(save, upload, patience=ANSWER_SECONDS))
             except ControlPlaneError as err:
                 if not no_answer(err):
                     raise
@@ -174,7 +186,9 @@ class ControlPlaneCatalog:
 
         def in_order() -> Manifest:
             try:
-                return finish()
+                manifest = finish()
+                self._remember(manifest)
+                return manifest
             finally:
                 with self._lock:
                     self._waiting.discard(position)
@@ -225,15 +239,11 @@ class ControlPlaneCatalog:
                         "save is not kept"
                     )
                 save.records = upload(self.held(force, patience=patience))
-            for layer, record in save.records.items():
-                self.control.record_layer(
-                    save.bundle_id,
-                    rank=0,
-                    layer=layer,
-                    epoch=attempt.epoch,
-                    record=record,
-                    patience=patience,
-                )
+            if patience is not None and self.control.unreachable:
+                raise UnansweredError("the control plane stopped answering during the save")
+            self.record(
+                save.bundle_id, epoch=attempt.epoch, records=save.records, patience=patience
+            )
             outcome = self.commit_once(save.bundle_id, attempt, patience=patience)
             if isinstance(outcome, Manifest):
                 self._verified.update(
@@ -282,30 +292,75 @@ class ControlPlaneCatalog:
         return registration is not None and registration.store not in (None, self._store_url)
 
     def held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
-        """Which blobs the store holds, by the control plane, less those to upload anyway;
-        by the store itself while the control plane does not answer (a single process)."""
+        """Which blobs the store holds, less those to upload anyway: by the control plane,
+        asked once a save about the blobs of the bundle before (``agent.catalog.held``; any
+        other blob is new); by the store itself while the control plane does not answer (a
+        single process)."""
         by_store = store_held(self.store, self._verified)
+        before = list(self._before.values())
+        answer = AskedOnce(
+            lambda: (
+                {b.sha256 for b in before}
+                - (self.control.missing_blobs(before, patience=patience) if before else set())
+            )
+        )
 
         def held(blobs: list[BlobRef]) -> set[str]:
             if patience is not None and self.control.unreachable:
                 return by_store(blobs) - force
             try:
-                missing = self.control.missing_blobs(blobs, patience=patience)
+                holds = answer.get()
             except ControlPlaneError as err:
                 if patience is None or not no_answer(err):
                     raise
                 return by_store(blobs) - force
-            return {b.sha256 for b in blobs} - missing - force
+            return {b.sha256 for b in blobs} & holds - force
 
         return held
 
+    def _remember(self, manifest: Manifest | None) -> Manifest | None:
+        """The bundle whose blobs the next save asks about (resumed from, or committed)."""
+        if manifest is not None:
+            self._before = blobs_of(manifest, rank=self.ranks.rank)
+        return manifest
+
+    def _committed(self, outcome: Manifest | Deferred) -> Manifest | Deferred:
+        if isinstance(outcome, Manifest):
+            self._remember(outcome)
+        return outcome
+
+    def record(
+        self,
+        bundle_id: int,
+        *,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None,
+    ) -> None:
+        """Record this rank's layers, and with them the figures of its saves not yet sent."""
+        saves = self._figures.take()
+        try:
+            self.control.record_layers(
+                bundle_id,
+                rank=self.ranks.rank,
+                epoch=epoch,
+                records=records,
+                patience=patience,
+                saves=saves,
+            )
+        except BaseException:
+            self._figures.put_back(saves)
+            raise
+
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
+        """Keep the figures for this rank's next layer record (or ``end``, ``close``)."""
         if bundle_id is not None:
-            self.control.report_save(bundle_id, rank=rank, figures=figures)
+            self._figures.keep(bundle_id, figures)
 
     def end(
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
+        self._figures.send(self.control, rank=self.ranks.rank, patience=ANSWER_SECONDS)
         try:
             self.attempt.end(
                 reason, final_save_committed=final_save_committed, step=step, patience=patience
@@ -324,7 +379,7 @@ class ControlPlaneCatalog:
         self.attempt.notice(notice, step=step)
 
     def preemption_rate(self) -> float | None:
-        return self.control.preemption_rate(self.run, patience=ESTIMATE_PATIENCE)
+        return self._estimate.latest()  # asked in the background: training never waits on it
 
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         self.attempt.interval = (seconds, waste_seconds_per_hour)
@@ -333,6 +388,7 @@ class ControlPlaneCatalog:
         self.attempt.time = figures
 
     def close(self) -> None:
+        self._figures.send(self.control, rank=self.ranks.rank, patience=ANSWER_SECONDS)
         self._closed.set()
         self.attempt.stop()
         self.control.close()

@@ -65,6 +65,15 @@ class JobCatalog(Protocol):
 
     def other_store(self, problem: str) -> ControlPlaneError: ...
 
+    def record(
+        self,
+        bundle_id: int,
+        *,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None,
+    ) -> None: ...
+
     def why_defer(self) -> str | None: ...
 
     def deferred(self, position: Position, finish: Callable[[], Manifest]) -> Deferred: ...
@@ -196,17 +205,14 @@ class JobCommit:
     def _record(
         self, bundle_id: int, attempt: Registration, records: Mapping[Layer, LayerRecord]
     ) -> bool:
-        """Record this rank's layers; False when the control plane did not answer in time."""
+        """Record this rank's layers; False when the control plane did not answer in time, or
+        stopped answering during the save."""
+        if self._control.unreachable:
+            return False
         try:
-            for layer, record in records.items():
-                self._control.record_layer(
-                    bundle_id,
-                    rank=self._ranks.rank,
-                    layer=layer,
-                    epoch=attempt.epoch,
-                    record=record,
-                    patience=ANSWER_SECONDS,
-                )
+            self._catalog.record(
+                bundle_id, epoch=attempt.epoch, records=records, patience=ANSWER_SECONDS
+            )
         except ControlPlaneError as err:
             if not no_answer(err):
                 raise
@@ -217,6 +223,8 @@ class JobCommit:
         self, bundle_id: int, attempt: Registration
     ) -> Manifest | frozenset[str] | None:
         """Rank 0's commit: the manifest, the blobs found missing, or None (no answer)."""
+        if self._control.unreachable:
+            return None
         try:
             return self._catalog.commit_once(bundle_id, attempt, patience=ANSWER_SECONDS)
         except ControlPlaneError as err:
@@ -266,10 +274,9 @@ class JobCommit:
         if late.bundle_id is None:
             late.bundle_id = self._open_bundle(attempt, late.position, patience=None)
         for rank in sorted(late.in_store - late.done):
-            for layer, record in self._layers_of(rank, late).items():
-                self._control.record_layer(
-                    late.bundle_id, rank=rank, layer=layer, epoch=attempt.epoch, record=record
-                )
+            self._control.record_layers(
+                late.bundle_id, rank=rank, epoch=attempt.epoch, records=self._layers_of(rank, late)
+            )
             late.done.add(rank)
         outcome = self._catalog.commit_once(late.bundle_id, attempt)
         if isinstance(outcome, Manifest):

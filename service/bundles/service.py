@@ -22,6 +22,7 @@ from service.bundles.schemas import (
     BundleOut,
     BundlePatch,
     LayerPut,
+    LayersPut,
     RecordedLayer,
     SaveOut,
 )
@@ -89,6 +90,15 @@ def record_layer(
     put: LayerPut,
 ) -> RecordedLayer:
     """Record one rank's layer; recording the same content again is a no-op."""
+    layers = LayersPut(epoch=put.epoch, layers={layer: put.record})
+    return record_layers(context, principal, bundle_id=bundle_id, rank=rank, put=layers)[0]
+
+
+def record_layers(
+    context: Context, principal: Principal, *, bundle_id: int, rank: int, put: LayersPut
+) -> list[RecordedLayer]:
+    """Record one rank's layers in one transaction (all or none); recording the same content
+    again is a no-op, other content a 409 that records nothing."""
     with context.transaction() as session:
         bundle, run, attempt = for_write(session, principal, bundle_id, lock=Lock.SHARE)
         check_epoch(context, run, attempt=attempt, claimed=put.epoch)
@@ -97,21 +107,28 @@ def record_layer(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
                 f"{bundle.world_size} (ranks 0-{bundle.world_size - 1})"
             )
-        record = put.record.model_dump(mode="json")
-        existing = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
-        if existing is None:
-            existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=put.record)
-        if existing.record != record:
-            raise ConflictError(
-                f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded with "
-                "other content; a layer is recorded once (open a bundle at a new step)"
-            )
-        return RecordedLayer(
-            rank=rank,
-            layer=layer,
-            payload_bytes=existing.payload_bytes,
-            num_blobs=len(put.record.blobs),
+        return [
+            _record(session, bundle, rank=rank, layer=layer, record=record)
+            for layer, record in put.layers.items()
+        ]
+
+
+def _record(
+    session: Session, bundle: Bundle, *, rank: int, layer: Layer, record: LayerRecord
+) -> RecordedLayer:
+    """Record one layer in the caller's transaction; the same content again is a no-op."""
+    content = record.model_dump(mode="json")
+    existing = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
+    if existing is None:
+        existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=record)
+    if existing.record != content:
+        raise ConflictError(
+            f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded with "
+            "other content; a layer is recorded once (open a bundle at a new step)"
         )
+    return RecordedLayer(
+        rank=rank, layer=layer, payload_bytes=existing.payload_bytes, num_blobs=len(record.blobs)
+    )
 
 
 def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> BlobsMissing:
