@@ -34,7 +34,6 @@ from agent.catalog.client import (
 )
 from agent.catalog.estimate import Estimate
 from agent.catalog.figures import PendingFigures
-from agent.catalog.held import AskedOnce, blobs_of
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
@@ -87,7 +86,6 @@ class ControlPlaneCatalog:
         self._lock = threading.Lock()
         self._waiting: set[Position] = set()  # saves whose commits are deferred, not ended
         self._figures = PendingFigures()  # this rank's, for its next layer record
-        self._before: dict[str, BlobRef] = {}  # the blobs of the bundle before the next save
         self._estimate = Estimate(
             lambda: control.preemption_rate(run, patience=control.retry_seconds),
             first_wait=ESTIMATE_PATIENCE,
@@ -100,11 +98,10 @@ class ControlPlaneCatalog:
         control plane names, or (another run) that run's resumable bundle, or its complete
         bundle at ``step``."""
         if own:
-            return self._remember(self.attempt.register(resume=True).resume_from)
+            return self.attempt.register(resume=True).resume_from
         if self.attempt.registration is None:
             self.attempt.register(resume=False)
-        found = self.control.resumable(run) if step is None else self.control.bundle_at(run, step)
-        return self._remember(found)
+        return self.control.resumable(run) if step is None else self.control.bundle_at(run, step)
 
     def fall_back(
         self, run: str, manifest: Manifest, *, own: bool, reason: str, blob: str
@@ -130,8 +127,8 @@ class ControlPlaneCatalog:
                     "was quarantined; retry the resume"
                 ) from err
         if own:
-            return self._remember(self.attempt.register(resume=True).resume_from)
-        return self._remember(self.control.resumable(run))
+            return self.attempt.register(resume=True).resume_from
+        return self.control.resumable(run)
 
     def verified(self, blobs: Iterable[str]) -> None:
         self._verified.update(blobs)  # for the saves that ask the store itself
@@ -147,12 +144,12 @@ class ControlPlaneCatalog:
         process defers the commit when the control plane does not answer; so do the ranks of
         a job, together (``agent.catalog.job``)."""
         if self.ranks.world_size > 1:
-            return self._committed(self._job.commit(upload, position=position))
+            return self._job.commit(upload, position=position)
         save = _Save(position)
         problem = self.why_defer()
         if problem is None:
             try:
-                return self._committed(self._advance(save, upload, patience=ANSWER_SECONDS))
+                return self._advance(save, upload, patience=ANSWER_SECONDS)
             except ControlPlaneError as err:
                 if not no_answer(err):
                     raise
@@ -186,9 +183,7 @@ class ControlPlaneCatalog:
 
         def in_order() -> Manifest:
             try:
-                manifest = finish()
-                self._remember(manifest)
-                return manifest
+                return finish()
             finally:
                 with self._lock:
                     self._waiting.discard(position)
@@ -293,41 +288,23 @@ class ControlPlaneCatalog:
 
     def held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
         """Which blobs the store holds, less those to upload anyway: by the control plane,
-        asked once a save about the blobs of the bundle before (``agent.catalog.held``; any
-        other blob is new); by the store itself while the control plane does not answer (a
-        single process)."""
+        asked once a save about every blob this rank stores (``/v1/blobs/missing``, which
+        also claims them against garbage collection); by the store itself while the control
+        plane does not answer (a single process)."""
         by_store = store_held(self.store, self._verified)
-        before = list(self._before.values())
-        answer = AskedOnce(
-            lambda: (
-                {b.sha256 for b in before}
-                - (self.control.missing_blobs(before, patience=patience) if before else set())
-            )
-        )
 
         def held(blobs: list[BlobRef]) -> set[str]:
             if patience is not None and self.control.unreachable:
                 return by_store(blobs) - force
             try:
-                holds = answer.get()
+                missing = self.control.missing_blobs(blobs, patience=patience)
             except ControlPlaneError as err:
                 if patience is None or not no_answer(err):
                     raise
                 return by_store(blobs) - force
-            return {b.sha256 for b in blobs} & holds - force
+            return {b.sha256 for b in blobs} - missing - force
 
         return held
-
-    def _remember(self, manifest: Manifest | None) -> Manifest | None:
-        """The bundle whose blobs the next save asks about (resumed from, or committed)."""
-        if manifest is not None:
-            self._before = blobs_of(manifest, rank=self.ranks.rank)
-        return manifest
-
-    def _committed(self, outcome: Manifest | Deferred) -> Manifest | Deferred:
-        if isinstance(outcome, Manifest):
-            self._remember(outcome)
-        return outcome
 
     def record(
         self,

@@ -130,3 +130,37 @@ def test_after_a_resume_a_save_uploads_only_what_changed(server: Server, run_nam
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
     assert result.new_bytes < weights / 4  # not even one of the tensors again
     assert sent == BUDGET
+
+
+def test_a_new_run_on_a_store_that_holds_its_blobs_uploads_none_of_them(
+    server: Server, run_name: str
+) -> None:
+    """The question covers every blob of the save, not only those of a bundle before: a
+    new run (no bundle before) whose tensors another run saved already uploads none."""
+    one_save(server, run_name, tensors=4, scheduler=False)
+    counted = Counted()
+    proxy = FaultProxy(server.url, counted)
+    torch.manual_seed(0)
+    net = model(4)  # the other run's first save, tensor for tensor
+    ckpt = Checkpointer(
+        run=f"{run_name}-again",
+        models=net,
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.1),
+        store=server.store,
+        server=proxy.url,
+        token=server.admin_token,
+        blob_bytes=1 << 20,
+        heartbeat_seconds=3600.0,
+        handle_signals=False,
+    )
+    try:
+        assert ckpt.resume().step is None
+        del counted.requests[:]
+        result = ckpt.save().wait()
+        sent = [_named(method, path, run=f"{run_name}-again") for method, path in counted.requests]
+    finally:
+        ckpt.close()
+        proxy.close()
+    weights = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert result.new_bytes < weights / 4  # not even one of the tensors again
+    assert sent == BUDGET
