@@ -52,11 +52,10 @@ class IncompleteCommitError(ControlPlaneError):
         return {blob["sha256"] for blob in self.missing.get("blobs", [])}
 
 
-# The least one try waits for its answer, however short the caller's patience, up to twice
-# that patience: a save's calls wait half a second for a control plane that does not answer
-# at all (down, dropping connections) and a second for one that holds the connection without
-# answering (a black hole: the next save waits on no more), while a busy one that answers in
-# under a second is not taken for an outage; a call with more patience waits this long.
+# The least one try waits for its answer, however short the caller's patience: a save's calls
+# retry for half a second a control plane that does not answer at all (down, dropping
+# connections), but a busy one that answers in a few seconds is not taken for an outage (the
+# save waits less for it: ``agent.catalog.late``).
 TRY_SECONDS = 5.0
 
 
@@ -310,15 +309,14 @@ class ControlPlane:
     ) -> dict[str, Any]:
         """One request, retried on transport errors, 5xx and 429 for at most ``patience``
         seconds (default: the client's ``retry_seconds``) in all: every try is cut short at
-        that deadline, though given ``TRY_SECONDS`` at least, or twice ``patience`` when that
-        is less (a slow answer is an answer, not an outage), so a control plane that is down
-        or hangs costs no more than the longer of the two. A 429 is retried after the ``Retry-After`` the control plane asks for."""
+        that deadline, though given ``TRY_SECONDS`` at least (a slow answer is an answer, not
+        an outage), so a control plane that is down or hangs costs no more than the longer of
+        the two. A 429 is retried after the ``Retry-After`` the control plane asks for."""
         window = self.retry_seconds if patience is None else patience
         deadline = time.monotonic() + window
         delay = 0.2
         while True:
-            least = min(TRY_SECONDS, 2 * window)
-            timeout = min(self.timeout, max(deadline - time.monotonic(), least))
+            timeout = min(self.timeout, max(deadline - time.monotonic(), TRY_SECONDS))
             try:
                 response = self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as err:
