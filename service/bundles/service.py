@@ -107,18 +107,30 @@ def record_layers(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
                 f"{bundle.world_size} (ranks 0-{bundle.world_size - 1})"
             )
+        found = {
+            layer: repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
+            for layer in put.layers
+        }
+        new = {layer: put.layers[layer] for layer, row in found.items() if row is None}
+        _claim(session, bundle, records=new.values())
         return [
-            _record(session, bundle, rank=rank, layer=layer, record=record)
+            _record(session, bundle, rank=rank, layer=layer, record=record, existing=found[layer])
             for layer, record in put.layers.items()
         ]
 
 
 def _record(
-    session: Session, bundle: Bundle, *, rank: int, layer: Layer, record: LayerRecord
+    session: Session,
+    bundle: Bundle,
+    *,
+    rank: int,
+    layer: Layer,
+    record: LayerRecord,
+    existing: models.Layer | None,
 ) -> RecordedLayer:
-    """Record one layer in the caller's transaction; the same content again is a no-op."""
+    """Record one layer in the caller's transaction (its blobs claimed); the same content
+    again is a no-op."""
     content = record.model_dump(mode="json")
-    existing = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
     if existing is None:
         existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=record)
     if existing.record != content:
@@ -280,12 +292,7 @@ def recorded_layers(rows: Iterable[models.Layer]) -> list[RecordedLayer]:
 def _insert_layer(
     session: Session, bundle: Bundle, *, rank: int, layer: Layer, record: LayerRecord
 ) -> models.Layer:
-    """Record a layer seen for the first time: only while the bundle is pending."""
-    if bundle.status != BundleStatus.PENDING:
-        raise ConflictError(
-            f"bundle {bundle.id} is {bundle.status}: layers are recorded only while it is pending"
-        )
-    _claim(session, record)
+    """Record a layer seen for the first time (its blobs claimed)."""
     repository.insert_layer(
         session,
         bundle_id=bundle.id,
@@ -330,11 +337,21 @@ def _where(position: tuple[int, int]) -> str:
     return f"step {step}" + (f", micro step {micro_step}" if micro_step else "")
 
 
-def _claim(session: Session, record: LayerRecord) -> None:
-    """Start the GC grace period of the record's blobs. Their catalog size is what some
+def _claim(session: Session, bundle: Bundle, *, records: Collection[LayerRecord]) -> None:
+    """Start the GC grace period of the blobs of layers seen for the first time, in one claim
+    (rows locked in hash order, as every transaction that updates many blob rows locks them:
+    a claim per layer would lock the union out of order, and deadlock with a scrub's
+    ``mark_hashed``); only while the bundle is pending. Their catalog size is what some
     record said until a commit verifies the stored bytes; a commit compares each record's
     sizes with the store, never with another record's."""
-    repository.claim_blobs(session, sizes={blob.sha256: blob.size for blob in record.blobs})
+    if not records:
+        return
+    if bundle.status != BundleStatus.PENDING:
+        raise ConflictError(
+            f"bundle {bundle.id} is {bundle.status}: layers are recorded only while it is pending"
+        )
+    sizes = {blob.sha256: blob.size for record in records for blob in record.blobs}
+    repository.claim_blobs(session, sizes=sizes)
 
 
 def _count_save(metrics: Metrics, figures: SaveFigures) -> None:
