@@ -15,11 +15,12 @@ from collections.abc import Callable
 from sqlalchemy import insert, select, text
 
 from ckpt.core.contract import RESTORE_ORDER, BlobRef, LayerRecord, TensorEntry
-from service.auth.service import Principal, Role
+from service.auth.service import Principal
 from service.bundles import repository, service
 from service.bundles.schemas import LayersPut
 from service.context import Context
 from service.models import Blob
+from service.models.auth import Role
 from service.models.base import utcnow
 from tests.service.conftest import MakeServer
 from tests.service.helpers import open_bundle, register
