@@ -5,8 +5,8 @@ within ``[auto_min_seconds, auto_max_seconds]``. ``cost`` is what a save stalls 
 averaged over the saves measured (the first save comes after ``auto_min_seconds``, to
 measure one); ``mtbf`` is the control plane's estimate for the run and its capacity pool
 (``GET /v1/runs/{run}/preemption-rate``), asked again every ``REFRESH_SECONDS`` from the
-training loop with at most ``ESTIMATE_PATIENCE`` seconds of retries (a control plane that
-is down costs a step that long, then the last estimate stands), or
+training loop (through the control plane, on a thread of its own: the loop gets the last
+answer at once, and waits at most ``ESTIMATE_PATIENCE`` seconds for the first only), or
 ``mtbf_seconds`` when configured (store-only: that or the default prior). A change of more
 than a tenth is announced (``agent.summary.announce``: printed unless quiet). Only rank 0 decides when an auto save is due; the ranks save
 together as for any due save.

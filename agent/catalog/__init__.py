@@ -7,6 +7,9 @@ control_plane  through the control plane (``CKPT_SERVER``): attempts, fencing, l
 job            a job of many ranks' commit through it, and what an outage defers
 client         the control plane's REST calls, with retries
 registration   this process's attempt: register (fencing older ones), heartbeat, end
+late           a save's calls, each waited for at most twice its patience
+figures        a rank's save figures, riding on its next layer record
+estimate       the preemption estimate of ``every="auto"``, asked in the background
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from ckpt.core.tokens import bearer
 log = logging.getLogger("ckpt.client")
 
 _RETRY_STATUSES = (500, 502, 503, 504)
+BLOBS_PER_QUERY = 10_000  # the most blobs the control plane takes in one query
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,9 @@ class IncompleteCommitError(ControlPlaneError):
 
 
 # The least one try waits for its answer, however short the caller's patience: a save's calls
-# wait half a second for a control plane that does not answer at all (down, dropping
-# connections), but a busy one that answers in a few seconds is not taken for an outage.
+# retry for half a second a control plane that does not answer at all (down, dropping
+# connections), but a busy one that answers in a few seconds is not taken for an outage (the
+# save waits less for it: ``agent.catalog.late``).
 TRY_SECONDS = 5.0
 
 
@@ -179,13 +182,18 @@ class ControlPlane:
         return bundle_id
 
     def missing_blobs(self, blobs: list[BlobRef], *, patience: float | None = None) -> set[str]:
-        body = self._call(
-            "POST",
-            "/v1/blobs/missing",
-            {"blobs": [b.model_dump(mode="json") for b in blobs]},
-            patience=patience,
-        )
-        return set(body["missing"])
+        """Which of ``blobs`` the store lacks: one request per ``BLOBS_PER_QUERY`` blobs."""
+        missing: set[str] = set()
+        for start in range(0, len(blobs), BLOBS_PER_QUERY):
+            page = blobs[start : start + BLOBS_PER_QUERY]
+            body = self._call(
+                "POST",
+                "/v1/blobs/missing",
+                {"blobs": [b.model_dump(mode="json") for b in page]},
+                patience=patience,
+            )
+            missing.update(body["missing"])
+        return missing
 
     def record_layer(
         self,
@@ -204,14 +212,40 @@ class ControlPlane:
             patience=patience,
         )
 
+    def record_layers(
+        self,
+        bundle_id: int,
+        *,
+        rank: int,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None = None,
+        saves: Sequence[tuple[int, SaveFigures]] = (),
+    ) -> None:
+        """Record every layer of one rank in one request (all or none), with the figures of
+        this rank's earlier ``saves`` (bundle id, figures) when there are some."""
+        if not records:
+            return
+        layers = {layer.value: record.model_dump(mode="json") for layer, record in records.items()}
+        body: dict[str, Any] = {"epoch": epoch, "layers": layers}
+        if saves:
+            body["saves"] = [
+                {"bundle": bundle, "figures": figures.model_dump(mode="json")}
+                for bundle, figures in saves
+            ]
+        self._call("POST", f"/v1/bundles/{bundle_id}/layers/{rank}", body, patience=patience)
+
     def commit(self, bundle_id: int, *, epoch: int, patience: float | None = None) -> Manifest:
         body = self._call(
             "POST", f"/v1/bundles/{bundle_id}/commit", {"epoch": epoch}, patience=patience
         )
         return Manifest.model_validate(body["bundle"]["manifest"])
 
-    def report_save(self, bundle_id: int, *, rank: int, figures: SaveFigures) -> None:
-        self._call("PUT", f"/v1/bundles/{bundle_id}/saves/{rank}", figures.model_dump(mode="json"))
+    def report_save(
+        self, bundle_id: int, *, rank: int, figures: SaveFigures, patience: float | None = None
+    ) -> None:
+        path = f"/v1/bundles/{bundle_id}/saves/{rank}"
+        self._call("PUT", path, figures.model_dump(mode="json"), patience=patience)
 
     def quarantine(self, bundle_id: int, *, reason: str, epoch: int | None, blob: str) -> None:
         """Report ``blob`` of the bundle damaged: the control plane reads it back and

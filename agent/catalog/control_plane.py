@@ -7,7 +7,8 @@ checks that every rank recorded every layer and every blob is in the store, then
 the manifest and moves the run's head. One bundle per attempt and step.
 
 A single process's save never waits on the control plane for long: when it does not answer
-within ``ANSWER_SECONDS`` (down, restarting, unreachable), the save's bytes go to the store
+within twice ``ANSWER_SECONDS`` (down, restarting, unreachable, or holding the connection:
+``agent.catalog.late``), the save's bytes go to the store
 anyway (the store itself says which blobs it holds) and its commit is ``Deferred``: opened,
 recorded and committed in the background once the control plane answers, under the epoch of
 the attempt that wrote it, so a fenced attempt's save is refused as ever. A job of many
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.attempt.interval import ESTIMATE_PATIENCE
@@ -29,9 +30,13 @@ from agent.catalog.client import (
     IncompleteCommitError,
     IntactBlobError,
     Registration,
+    UnansweredError,
     no_answer,
 )
+from agent.catalog.estimate import Estimate
+from agent.catalog.figures import PendingFigures
 from agent.catalog.job import ANSWER_SECONDS, COMMIT_ROUNDS, DEFER_ROUNDS, JobCommit
+from agent.catalog.late import SaveCalls
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
 from agent.catalog.store import store_held
@@ -82,6 +87,13 @@ class ControlPlaneCatalog:
         self._closed = threading.Event()  # deferred commits stop waiting once set
         self._lock = threading.Lock()
         self._waiting: set[Position] = set()  # saves whose commits are deferred, not ended
+        self._figures = PendingFigures()  # this rank's, for its next layer record
+        self.calls = SaveCalls(control)  # a save's, each waited for a bounded time
+        self._estimate = Estimate(
+            lambda: control.preemption_rate(run, patience=control.retry_seconds),
+            first_wait=ESTIMATE_PATIENCE,
+            what=f"run {run}",
+        )
         self._job = JobCommit(self, closed=self._closed)
 
     def resumable(self, run: str, *, own: bool, step: int | None = None) -> Manifest | None:
@@ -159,7 +171,7 @@ class ControlPlaneCatalog:
         """Why a save should not try the control plane now, or None: it is known not to
         answer, or earlier saves still wait for their commits (bundles commit in order: a
         newer one committed first would leave the older behind the run's head)."""
-        if self.attempt.registration is None or self.control.unreachable:
+        if self.attempt.registration is None or self.calls.silent:
             return "the control plane is unreachable"
         with self._lock:
             if self._waiting:
@@ -200,14 +212,18 @@ class ControlPlaneCatalog:
         ``patience`` seconds (None: the client's window)."""
         attempt = self.attempt.current()
         if save.bundle_id is None:
-            save.bundle_id = self.control.open_bundle(
-                self.run,
-                attempt=attempt,
-                step=save.position.step,
-                micro_step=save.position.micro_step,
-                world_size=1,
-                versions=versions(),
+            save.bundle_id = self.calls.answer(
+                lambda: self.control.open_bundle(
+                    self.run,
+                    attempt=attempt,
+                    step=save.position.step,
+                    micro_step=save.position.micro_step,
+                    world_size=1,
+                    versions=versions(),
+                    patience=patience,
+                ),
                 patience=patience,
+                what=f"opening the bundle of {save.position}",
             )
         force: frozenset[str] = frozenset()
         for _ in range(COMMIT_ROUNDS):
@@ -225,15 +241,11 @@ class ControlPlaneCatalog:
                         "save is not kept"
                     )
                 save.records = upload(self.held(force, patience=patience))
-            for layer, record in save.records.items():
-                self.control.record_layer(
-                    save.bundle_id,
-                    rank=0,
-                    layer=layer,
-                    epoch=attempt.epoch,
-                    record=record,
-                    patience=patience,
-                )
+            if patience is not None and self.calls.silent:
+                raise UnansweredError("the control plane stopped answering during the save")
+            self.record(
+                save.bundle_id, epoch=attempt.epoch, records=save.records, patience=patience
+            )
             outcome = self.commit_once(save.bundle_id, attempt, patience=patience)
             if isinstance(outcome, Manifest):
                 self._verified.update(
@@ -256,7 +268,11 @@ class ControlPlaneCatalog:
     ) -> Manifest | frozenset[str]:
         """The committed manifest, or the blobs the commit found missing."""
         try:
-            return self.control.commit(bundle_id, epoch=attempt.epoch, patience=patience)
+            return self.calls.answer(
+                lambda: self.control.commit(bundle_id, epoch=attempt.epoch, patience=patience),
+                patience=patience,
+                what=f"committing bundle {bundle_id}",
+            )
         except IncompleteCommitError as err:
             if not err.blobs:
                 raise
@@ -282,15 +298,21 @@ class ControlPlaneCatalog:
         return registration is not None and registration.store not in (None, self._store_url)
 
     def held(self, force: frozenset[str], *, patience: float | None = None) -> HeldBlobs:
-        """Which blobs the store holds, by the control plane, less those to upload anyway;
-        by the store itself while the control plane does not answer (a single process)."""
+        """Which blobs the store holds, less those to upload anyway: by the control plane,
+        asked once a save about every blob this rank stores (``/v1/blobs/missing``, which
+        also claims them against garbage collection); by the store itself while the control
+        plane does not answer (a single process)."""
         by_store = store_held(self.store, self._verified)
 
         def held(blobs: list[BlobRef]) -> set[str]:
-            if patience is not None and self.control.unreachable:
+            if patience is not None and self.calls.silent:
                 return by_store(blobs) - force
             try:
-                missing = self.control.missing_blobs(blobs, patience=patience)
+                missing = self.calls.answer(
+                    lambda: self.control.missing_blobs(blobs, patience=patience),
+                    patience=patience,
+                    what=f"asking which of {len(blobs)} blobs the store lacks",
+                )
             except ControlPlaneError as err:
                 if patience is None or not no_answer(err):
                     raise
@@ -299,13 +321,42 @@ class ControlPlaneCatalog:
 
         return held
 
+    def record(
+        self,
+        bundle_id: int,
+        *,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None,
+    ) -> None:
+        """Record this rank's layers, and with them the figures of its saves not yet sent."""
+        saves = self._figures.take()
+        try:
+            self.calls.answer(
+                lambda: self.control.record_layers(
+                    bundle_id,
+                    rank=self.ranks.rank,
+                    epoch=epoch,
+                    records=records,
+                    patience=patience,
+                    saves=saves,
+                ),
+                patience=patience,
+                what=f"recording the layers of bundle {bundle_id}",
+            )
+        except BaseException:
+            self._figures.put_back(saves)
+            raise
+
     def report(self, bundle_id: int | None, *, rank: int, figures: SaveFigures) -> None:
+        """Keep the figures for this rank's next layer record (or ``end``, ``close``)."""
         if bundle_id is not None:
-            self.control.report_save(bundle_id, rank=rank, figures=figures)
+            self._figures.keep(bundle_id, figures)
 
     def end(
         self, reason: str, *, final_save_committed: bool, step: int, patience: float | None
     ) -> None:
+        self._figures.send(self.control, rank=self.ranks.rank, patience=ANSWER_SECONDS)
         try:
             self.attempt.end(
                 reason, final_save_committed=final_save_committed, step=step, patience=patience
@@ -324,7 +375,7 @@ class ControlPlaneCatalog:
         self.attempt.notice(notice, step=step)
 
     def preemption_rate(self) -> float | None:
-        return self.control.preemption_rate(self.run, patience=ESTIMATE_PATIENCE)
+        return self._estimate.latest()  # asked in the background: training never waits on it
 
     def interval(self, seconds: float, waste_seconds_per_hour: float | None) -> None:
         self.attempt.interval = (seconds, waste_seconds_per_hour)
@@ -333,6 +384,7 @@ class ControlPlaneCatalog:
         self.attempt.time = figures
 
     def close(self) -> None:
+        self._figures.send(self.control, rank=self.ranks.rank, patience=ANSWER_SECONDS)
         self._closed.set()
         self.attempt.stop()
         self.control.close()

@@ -31,6 +31,7 @@ from typing import Protocol
 
 from agent.catalog.base import Deferred, Upload
 from agent.catalog.client import ControlPlane, Registration, no_answer
+from agent.catalog.late import SaveCalls
 from agent.catalog.manifests import versions
 from agent.catalog.registration import Attempt
 from agent.ranks.base import MEET_SECONDS, Ranks
@@ -52,6 +53,7 @@ class JobCatalog(Protocol):
     """What a job's commit uses of its control-plane catalog."""
 
     control: ControlPlane
+    calls: SaveCalls
     attempt: Attempt
     ranks: Ranks
     store: ObjectStore
@@ -65,6 +67,15 @@ class JobCatalog(Protocol):
 
     def other_store(self, problem: str) -> ControlPlaneError: ...
 
+    def record(
+        self,
+        bundle_id: int,
+        *,
+        epoch: int,
+        records: Mapping[Layer, LayerRecord],
+        patience: float | None,
+    ) -> None: ...
+
     def why_defer(self) -> str | None: ...
 
     def deferred(self, position: Position, finish: Callable[[], Manifest]) -> Deferred: ...
@@ -74,10 +85,10 @@ log = logging.getLogger("ckpt")
 
 # Upload, record and commit; a round that finds blobs gone uploads them again.
 COMMIT_ROUNDS = 3
-# How long a save's calls wait for the control plane before the save defers its commit: a
-# due save may wait for the bytes of the one before, so this bounds what an outage's onset
-# costs training; a busy control plane that answers later only moves a commit to the
-# background.
+# How long a save's calls retry a control plane that does not answer, and half of what the
+# save waits for one call (``agent.catalog.late``) before it defers its commit: a due save
+# may wait for the bytes of the one before, so this bounds what an outage's onset costs
+# training; a busy control plane that answers later only moves a commit to the background.
 ANSWER_SECONDS = 0.5
 # A deferred commit retries each call for the client's window (2 minutes by default), this
 # many times: an outage of up to half an hour costs no save; a longer one fails it.
@@ -154,14 +165,18 @@ class JobCommit:
     def _open_bundle(
         self, attempt: Registration, position: Position, *, patience: float | None
     ) -> int:
-        return self._control.open_bundle(
-            self._run,
-            attempt=attempt,
-            step=position.step,
-            micro_step=position.micro_step,
-            world_size=self._ranks.world_size,
-            versions=versions(),
+        return self._catalog.calls.answer(
+            lambda: self._control.open_bundle(
+                self._run,
+                attempt=attempt,
+                step=position.step,
+                micro_step=position.micro_step,
+                world_size=self._ranks.world_size,
+                versions=versions(),
+                patience=patience,
+            ),
             patience=patience,
+            what=f"opening the bundle of {position}",
         )
 
     def _record_round(
@@ -196,17 +211,14 @@ class JobCommit:
     def _record(
         self, bundle_id: int, attempt: Registration, records: Mapping[Layer, LayerRecord]
     ) -> bool:
-        """Record this rank's layers; False when the control plane did not answer in time."""
+        """Record this rank's layers; False when the control plane did not answer in time, or
+        stopped answering during the save."""
+        if self._catalog.calls.silent:
+            return False
         try:
-            for layer, record in records.items():
-                self._control.record_layer(
-                    bundle_id,
-                    rank=self._ranks.rank,
-                    layer=layer,
-                    epoch=attempt.epoch,
-                    record=record,
-                    patience=ANSWER_SECONDS,
-                )
+            self._catalog.record(
+                bundle_id, epoch=attempt.epoch, records=records, patience=ANSWER_SECONDS
+            )
         except ControlPlaneError as err:
             if not no_answer(err):
                 raise
@@ -217,6 +229,8 @@ class JobCommit:
         self, bundle_id: int, attempt: Registration
     ) -> Manifest | frozenset[str] | None:
         """Rank 0's commit: the manifest, the blobs found missing, or None (no answer)."""
+        if self._catalog.calls.silent:
+            return None
         try:
             return self._catalog.commit_once(bundle_id, attempt, patience=ANSWER_SECONDS)
         except ControlPlaneError as err:
@@ -266,10 +280,9 @@ class JobCommit:
         if late.bundle_id is None:
             late.bundle_id = self._open_bundle(attempt, late.position, patience=None)
         for rank in sorted(late.in_store - late.done):
-            for layer, record in self._layers_of(rank, late).items():
-                self._control.record_layer(
-                    late.bundle_id, rank=rank, layer=layer, epoch=attempt.epoch, record=record
-                )
+            self._control.record_layers(
+                late.bundle_id, rank=rank, epoch=attempt.epoch, records=self._layers_of(rank, late)
+            )
             late.done.add(rank)
         outcome = self._catalog.commit_once(late.bundle_id, attempt)
         if isinstance(outcome, Manifest):

@@ -17,7 +17,7 @@ from agent.catalog.manifests import versions, write_manifest
 from agent.catalog.store import store_held
 from agent.format import skeleton
 from agent.interop.found import Found
-from agent.save.upload import HeldBlobs, WriteStats, durable_together, upload_layer
+from agent.save.upload import HeldBlobs, WriteStats, durable_together, upload_layers
 from agent.state.capture import LayerState
 from ckpt.core.contract import RESTORE_ORDER, BlobRef, Imported, Layer, LayerRecord, Manifest
 from ckpt.core.errors import BundleExistsError
@@ -79,8 +79,7 @@ def commit_through(
             return {blob.sha256 for blob in blobs} - control.missing_blobs(blobs)
 
         records = upload(store, found, blob_bytes=blob_bytes, held=held)
-        for layer, record in records.items():
-            control.record_layer(bundle_id, rank=0, layer=layer, epoch=attempt.epoch, record=record)
+        control.record_layers(bundle_id, rank=0, epoch=attempt.epoch, records=records)
         manifest = control.commit(bundle_id, epoch=attempt.epoch)
         reason = "finished"
         return manifest
@@ -98,18 +97,13 @@ def upload(
 ) -> dict[Layer, LayerRecord]:
     """Every layer found, cut into blobs, hashed and stored unless ``held``."""
     stats = WriteStats()
+    states = {
+        layer: _state(found.layers[layer], layer)
+        for layer in RESTORE_ORDER
+        if layer in found.layers
+    }
     with durable_together(store):
-        return {
-            layer: upload_layer(
-                store,
-                _state(found.layers[layer], layer),
-                blob_bytes=blob_bytes,
-                stats=stats,
-                held=held,
-            )
-            for layer in RESTORE_ORDER
-            if layer in found.layers
-        }
+        return upload_layers(store, states, blob_bytes=blob_bytes, stats=stats, held=held)
 
 
 def _state(state: Mapping[str, object], layer: Layer) -> LayerState:

@@ -36,7 +36,7 @@ from agent.save.upload import (
     Replicas,
     WriteStats,
     durable_together,
-    upload_layer,
+    upload_layers,
 )
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
@@ -350,21 +350,18 @@ class Persister:
                 )
             stats.seen.clear()  # a second round uploads the blobs that vanished again
             stats.payload_bytes = 0
-            share = self._replicas.share() if self._replicas else None
             with durable_together(self._store):
-                records = {
-                    layer: upload_layer(
-                        self._store,
-                        state,
-                        blob_bytes=self._blob_bytes,
-                        stats=stats,
-                        held=held,
-                        hashes=hashes,
-                        share=share if layer in self._replicated else None,
-                        progress=progress.advance,
-                    )
-                    for layer, state in states.items()
-                }
+                records = upload_layers(
+                    self._store,
+                    states,
+                    blob_bytes=self._blob_bytes,
+                    stats=stats,
+                    held=held,
+                    hashes=hashes,
+                    share=self._replicas.share() if self._replicas else None,
+                    replicated=self._replicated,
+                    progress=progress.advance,
+                )
                 staged.release()  # written: training may step while the disk flushes
             return records
 

@@ -3,8 +3,8 @@ ones the store lacks.
 
 A blob is stored under its SHA-256 (``keys.blob_key``), so a blob the store already holds
 is not uploaded again; ``HeldBlobs`` says which those are (the store itself, store-only, or
-the control plane). Hashing and writing run as one task per blob on the I/O threads, so
-CPU and I/O overlap.
+the control plane), asked once a save about every blob the rank stores: the blobs are
+hashed first, one task per blob on the I/O threads, then the missing ones written.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import contextlib
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agent.format import payload
 from agent.format.chunking import GROUP_BYTES, plan_blobs
 from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.state.capture import LayerState
-from ckpt.core.contract import BlobRef, LayerRecord
+from ckpt.core.contract import BlobRef, Layer, LayerRecord
 from ckpt.core.storage import ObjectStore, keys
 from ckpt.core.threads import parallel
 
@@ -141,29 +141,85 @@ class Replicas:
         return Share(rank=self.ranks.rank, world_size=self.ranks.world_size, alike=alike)
 
 
-def upload_layer(
+Span = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class _Blob:
+    """One blob of a layer's payload: where it lies, and what it is."""
+
+    plan: payload.PayloadLayout
+    span: Span
+    ref: BlobRef
+
+
+def upload_layers(
     store: ObjectStore,
-    state: LayerState,
+    states: Mapping[Layer, LayerState],
     *,
     blob_bytes: int,
     stats: WriteStats,
     held: HeldBlobs,
     hashes: BlobHashes | None = None,
     share: Share | None = None,
+    replicated: Collection[Layer] = (),
     progress: Callable[[int], None] = lambda nbytes: None,
-) -> LayerRecord:
-    """Lay out one payload, hash its blobs and put those the store does not hold intact.
+) -> dict[Layer, LayerRecord]:
+    """Lay out each layer's payload, hash every blob, and put those the store does not hold.
 
-    ``held`` answers which of the new blobs the store already holds intact: the store
-    itself (``store_held``) or the control plane (``/v1/blobs/missing``). ``hashes`` carries
-    the previous save's blob hashes over; ``share`` splits a replicated layer's blobs among
+    ``held`` is asked once, about every blob this rank stores: the store itself
+    (``store_held``) or the control plane (``/v1/blobs/missing``: one request a save, however
+    many layers and tensors it holds). So blobs are hashed first (one task per blob over
+    every layer, on the I/O threads), then the missing ones written. ``hashes`` carries the
+    previous save's blob hashes over; ``share`` splits the ``replicated`` layers' blobs among
     the ranks; ``progress`` is told the size of each blob done.
     """
-    plan = payload.layout(state.skeleton, state.tensors)
-    ranges = plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
-    hashes = hashes if hashes is not None else BlobHashes()
+    plans = {
+        layer: payload.layout(state.skeleton, state.tensors) for layer, state in states.items()
+    }
+    laid = _hashed(plans, blob_bytes=blob_bytes, hashes=hashes or BlobHashes())
+    mine: list[_Blob] = []
+    for layer, blobs in laid.items():
+        here = _stored_here(share, blobs) if share is not None and layer in replicated else None
+        for index, blob in enumerate(blobs):
+            if (here is None or here[index]) and stats.claim(blob.ref.sha256):
+                mine.append(blob)
+            else:
+                progress(blob.ref.size)  # another rank's, or met before in this save
+    found = held([blob.ref for blob in mine]) if mine else set()
 
-    def digest(span: tuple[int, int]) -> BlobRef:
+    def put(blob: _Blob) -> None:
+        if blob.ref.sha256 not in found:
+            store.put(keys.blob_key(blob.ref.sha256), blob.plan.pieces(*blob.span))
+            stats.stored(blob.ref.size)
+        progress(blob.ref.size)
+
+    parallel(put, mine)
+    stats.payload_bytes += sum(plan.size for plan in plans.values())
+    return {
+        layer: LayerRecord(
+            payload_bytes=plan.size,
+            header_bytes=len(plan.header),
+            blobs=tuple(blob.ref for blob in laid[layer]),
+            tensors=plan.index,
+        )
+        for layer, plan in plans.items()
+    }
+
+
+def _hashed(
+    plans: Mapping[Layer, payload.PayloadLayout], *, blob_bytes: int, hashes: BlobHashes
+) -> dict[Layer, list[_Blob]]:
+    """Every layer's blobs, hashed as one task per blob over all layers (the previous save's
+    hash reused where every tensor a blob covers is unchanged)."""
+    spans = [
+        (layer, span)
+        for layer, plan in plans.items()
+        for span in plan_blobs(plan.spans(), blob_bytes=blob_bytes, group_bytes=GROUP_BYTES)
+    ]
+
+    def digest(task: tuple[Layer, Span]) -> _Blob:
+        plan, span = plans[task[0]], task[1]
         sources = plan.sources(*span)
         sha = hashes.known(sources)
         if sha is None:
@@ -171,32 +227,12 @@ def upload_layer(
         else:
             hashes.reused(span[1] - span[0])
         hashes.remember(sources, sha)
-        return BlobRef(sha256=sha, size=span[1] - span[0])
+        return _Blob(plan, span, BlobRef(sha256=sha, size=span[1] - span[0]))
 
-    def store_blob(blob: BlobRef, span: tuple[int, int]) -> None:
-        if stats.claim(blob.sha256) and not held([blob]):
-            store.put(keys.blob_key(blob.sha256), plan.pieces(*span))
-            stats.stored(blob.size)
-        progress(blob.size)
-
-    if share is None:
-        # One task per blob, from hash to stored, so that hashing (CPU) and writing (I/O)
-        # overlap across the threads instead of running as two phases.
-        def persist(span: tuple[int, int]) -> BlobRef:
-            blob = digest(span)
-            store_blob(blob, span)
-            return blob
-
-        blobs = parallel(persist, ranges)
-    else:
-        blobs = _shared(share, ranges, digest=digest, store_blob=store_blob, progress=progress)
-    stats.payload_bytes += plan.size
-    return LayerRecord(
-        payload_bytes=plan.size,
-        header_bytes=len(plan.header),
-        blobs=tuple(blobs),
-        tensors=plan.index,
-    )
+    laid: dict[Layer, list[_Blob]] = {layer: [] for layer in plans}
+    for (layer, _), blob in zip(spans, parallel(digest, spans), strict=True):
+        laid[layer].append(blob)
+    return laid
 
 
 def durable_together(store: ObjectStore) -> contextlib.AbstractContextManager[object]:
@@ -215,23 +251,12 @@ def blobs_alike(hashes: Sequence[Sequence[str]]) -> list[bool]:
     return [all(other[i] == sha for other in hashes) for i, sha in enumerate(first)]
 
 
-def _shared(
-    share: Share,
-    ranges: list[tuple[int, int]],
-    *,
-    digest: Callable[[tuple[int, int]], BlobRef],
-    store_blob: Callable[[BlobRef, tuple[int, int]], None],
-    progress: Callable[[int], None],
-) -> list[BlobRef]:
-    """Hash every blob; store this rank's share (every blob, if the ranks disagree)."""
-    blobs = parallel(digest, ranges)
-    shared = [i for i, alike in enumerate(share.alike([b.sha256 for b in blobs])) if alike]
-    owners = [share.rank] * len(blobs)  # a blob the ranks hold differently: each its own
-    for index, owner in zip(shared, share.owners([blobs[i].size for i in shared]), strict=True):
-        owners[index] = owner
-    for blob, span, owner in zip(blobs, ranges, owners, strict=True):
-        if owner == share.rank:
-            store_blob(blob, span)
-        else:
-            progress(blob.size)
-    return blobs
+def _stored_here(share: Share, blobs: list[_Blob]) -> list[bool]:
+    """Which blobs of a replicated layer this rank stores: its share of those every rank
+    holds alike, and every blob the ranks hold differently (each its own)."""
+    refs = [blob.ref for blob in blobs]
+    shared = [i for i, alike in enumerate(share.alike([r.sha256 for r in refs])) if alike]
+    here = [True] * len(refs)
+    for index, owner in zip(shared, share.owners([refs[i].size for i in shared]), strict=True):
+        here[index] = owner == share.rank
+    return here

@@ -17,8 +17,10 @@ from service.bundles.schemas import (
     Commit,
     Committed,
     LayerPut,
+    LayersPut,
     Quarantine,
     RecordedLayer,
+    RecordedLayers,
     SaveOut,
     Unquarantine,
 )
@@ -69,6 +71,31 @@ def record_layer(
     return service.record_layer(
         context, principal, bundle_id=bundle, rank=rank, layer=layer, put=put
     )
+
+
+@router.post(
+    "/bundles/{bundle}/layers/{rank}",
+    responses=responses(*WRITE, FencedError, ConflictError),
+)
+def record_layers(
+    *,
+    bundle: IdPath,
+    rank: RankPath,
+    put: LayersPut,
+    principal: PrincipalDep,
+    context: ContextDep,
+) -> RecordedLayers:
+    """Record every layer of one rank in one request: all or none (idempotent); with the
+    figures of the rank's earlier saves, if sent."""
+    recorded = service.record_layers(context, principal, bundle_id=bundle, rank=rank, put=put)
+    for save in put.saves:
+        try:
+            service.report_save(
+                context, principal, bundle_id=save.bundle, rank=rank, figures=save.figures
+            )
+        except (ForbiddenError, NotFoundError, InvalidRequestError):
+            continue  # a save's figures only: the layers are recorded
+    return RecordedLayers(recorded=recorded)
 
 
 @router.put("/bundles/{bundle}/saves/{rank}", responses=responses(*WRITE))

@@ -263,13 +263,18 @@ def mark_verified(
 
 def mark_hashed(session: Session, *, shas: Collection[str], at: datetime) -> None:
     """Record that these blobs were read back and their bytes hash to their names, unless
-    found damaged meanwhile (a rewrite and a commit clear that, not a read)."""
+    found damaged meanwhile (a rewrite and a commit clear that, not a read). The rows are
+    locked first, in hash order: an UPDATE alone locks them in scan order, and deadlocked
+    with a record claiming the same blobs."""
+    lock_blobs(session, shas=shas)
     ordered = sorted(shas)
     for start in range(0, len(ordered), _BATCH):
         session.execute(
             update(Blob)
-            .where(Blob.sha256.in_(ordered[start : start + _BATCH]), Blob.damaged_at.is_(None))
+            .where(one_of(session, Blob.sha256, ordered[start : start + _BATCH]))
+            .where(Blob.damaged_at.is_(None))
             .values(hashed_at=at)
+            .execution_options(synchronize_session=False)
         )
 
 

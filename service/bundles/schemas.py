@@ -5,7 +5,16 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ckpt.core.contract import SHA256_HEX, BlobRef, Imported, LayerRecord, Manifest, Versions
+from ckpt.core.contract import (
+    SHA256_HEX,
+    BlobRef,
+    Imported,
+    Layer,
+    LayerRecord,
+    Manifest,
+    SaveFigures,
+    Versions,
+)
 from service.completeness import Part
 from service.names import MAX_ID, Id, Reason, Step
 
@@ -39,6 +48,32 @@ class BundleOpen(_Request):
 class LayerPut(_Request):
     epoch: Epoch
     record: LayerRecord
+
+
+class SaveReport(_Request):
+    bundle: Id
+    figures: SaveFigures
+
+
+# The most earlier saves' figures one record carries (an agent sends those it has not sent).
+MAX_SAVES_PER_RECORD = 16
+
+
+class LayersPut(_Request):
+    epoch: Epoch
+    layers: Annotated[
+        dict[Layer, LayerRecord],
+        Field(min_length=1, description="every layer of the rank to record, by name"),
+    ]
+    saves: Annotated[
+        list[SaveReport],
+        Field(
+            max_length=MAX_SAVES_PER_RECORD,
+            description="the figures of this rank's earlier saves, each as `PUT "
+            "/v1/bundles/{bundle}/saves/{rank}` would record them; one that cannot be "
+            "recorded (its bundle gone, another run's) is left out",
+        ),
+    ] = []
 
 
 class Commit(_Request):
@@ -88,6 +123,10 @@ class BundlePatch(_Request):
 class RecordedLayer(Part):
     payload_bytes: int
     num_blobs: int
+
+
+class RecordedLayers(BaseModel):
+    recorded: list[RecordedLayer]  # the layers of the request, in its order
 
 
 class SaveOut(BaseModel):

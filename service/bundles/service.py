@@ -22,6 +22,7 @@ from service.bundles.schemas import (
     BundleOut,
     BundlePatch,
     LayerPut,
+    LayersPut,
     RecordedLayer,
     SaveOut,
 )
@@ -90,6 +91,15 @@ def record_layer(
     put: LayerPut,
 ) -> RecordedLayer:
     """Record one rank's layer; recording the same content again is a no-op."""
+    layers = LayersPut(epoch=put.epoch, layers={layer: put.record})
+    return record_layers(context, principal, bundle_id=bundle_id, rank=rank, put=layers)[0]
+
+
+def record_layers(
+    context: Context, principal: Principal, *, bundle_id: int, rank: int, put: LayersPut
+) -> list[RecordedLayer]:
+    """Record one rank's layers in one transaction (all or none); recording the same content
+    again is a no-op, other content a 409 that records nothing."""
     with context.transaction() as session:
         bundle, run, attempt = for_write(session, principal, bundle_id, lock=Lock.SHARE)
         check_epoch(context, run, attempt=attempt, claimed=put.epoch)
@@ -98,21 +108,40 @@ def record_layer(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
                 f"{bundle.world_size} (ranks 0-{bundle.world_size - 1})"
             )
-        record = put.record.model_dump(mode="json")
-        existing = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
-        if existing is None:
-            existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=put.record)
-        if existing.record != record:
-            raise ConflictError(
-                f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded with "
-                "other content; a layer is recorded once (open a bundle at a new step)"
-            )
-        return RecordedLayer(
-            rank=rank,
-            layer=layer,
-            payload_bytes=existing.payload_bytes,
-            num_blobs=len(put.record.blobs),
+        found = {
+            layer: repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
+            for layer in put.layers
+        }
+        new = {layer: put.layers[layer] for layer, row in found.items() if row is None}
+        _claim(session, bundle, records=new.values())
+        return [
+            _record(session, bundle, rank=rank, layer=layer, record=record, existing=found[layer])
+            for layer, record in put.layers.items()
+        ]
+
+
+def _record(
+    session: Session,
+    bundle: Bundle,
+    *,
+    rank: int,
+    layer: Layer,
+    record: LayerRecord,
+    existing: models.Layer | None,
+) -> RecordedLayer:
+    """Record one layer in the caller's transaction (its blobs claimed); the same content
+    again is a no-op."""
+    content = record.model_dump(mode="json")
+    if existing is None:
+        existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=record)
+    if existing.record != content:
+        raise ConflictError(
+            f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded with "
+            "other content; a layer is recorded once (open a bundle at a new step)"
         )
+    return RecordedLayer(
+        rank=rank, layer=layer, payload_bytes=existing.payload_bytes, num_blobs=len(record.blobs)
+    )
 
 
 def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> BlobsMissing:
@@ -280,12 +309,7 @@ def recorded_layers(rows: Iterable[models.Layer]) -> list[RecordedLayer]:
 def _insert_layer(
     session: Session, bundle: Bundle, *, rank: int, layer: Layer, record: LayerRecord
 ) -> models.Layer:
-    """Record a layer seen for the first time: only while the bundle is pending."""
-    if bundle.status != BundleStatus.PENDING:
-        raise ConflictError(
-            f"bundle {bundle.id} is {bundle.status}: layers are recorded only while it is pending"
-        )
-    _claim(session, record)
+    """Record a layer seen for the first time (its blobs claimed)."""
     repository.insert_layer(
         session,
         bundle_id=bundle.id,
@@ -330,11 +354,21 @@ def _where(position: tuple[int, int]) -> str:
     return f"step {step}" + (f", micro step {micro_step}" if micro_step else "")
 
 
-def _claim(session: Session, record: LayerRecord) -> None:
-    """Start the GC grace period of the record's blobs. Their catalog size is what some
+def _claim(session: Session, bundle: Bundle, *, records: Collection[LayerRecord]) -> None:
+    """Start the GC grace period of the blobs of layers seen for the first time, in one claim
+    (rows locked in hash order, as every transaction that updates many blob rows locks them:
+    a claim per layer would lock the union out of order, and deadlock with a scrub's
+    ``mark_hashed``); only while the bundle is pending. Their catalog size is what some
     record said until a commit verifies the stored bytes; a commit compares each record's
     sizes with the store, never with another record's."""
-    repository.claim_blobs(session, sizes={blob.sha256: blob.size for blob in record.blobs})
+    if not records:
+        return
+    if bundle.status != BundleStatus.PENDING:
+        raise ConflictError(
+            f"bundle {bundle.id} is {bundle.status}: layers are recorded only while it is pending"
+        )
+    sizes = {blob.sha256: blob.size for record in records for blob in record.blobs}
+    repository.claim_blobs(session, sizes=sizes)
 
 
 def _count_save(metrics: Metrics, figures: SaveFigures) -> None:

@@ -7,7 +7,7 @@ saving every ``EVERY`` steps, writing each saved step's weights to ``DIR/weights
 At each step in ``PAUSE_AT`` it touches ``DIR/at-<step>`` and waits for ``DIR/go-<step>``
 (the test changes the network meanwhile); ``12!`` waits for every save to be durable
 first. At the end it waits for every save and writes ``DIR/result.json``: the longest
-``maybe_save()`` call and the steps saved. Under torchrun (``WORLD_SIZE`` > 1) the model is a
+``maybe_save()`` call, every call's (step, seconds), and the steps saved. Under torchrun (``WORLD_SIZE`` > 1) the model is a
 DDP over gloo, every rank pauses alike, and rank 0 writes the files (``result-<rank>.json``
 for the other ranks).
 """
@@ -62,6 +62,7 @@ def main(run: str, folder: str, steps: str, every: str, *pauses: str) -> None:
         (out / "resumed").write_text(str(ckpt.counters.step))
         torch.save(net.state_dict(), out / "resumed.pt")
     slowest, taken = 0.0, []
+    stalls: list[tuple[int, float]] = []  # (step, seconds) of every maybe_save() call
     pending: list[PendingSave] = []
     while ckpt.counters.step < int(steps):
         loss = model(torch.randn(16, 32)).square().mean()
@@ -71,7 +72,9 @@ def main(run: str, folder: str, steps: str, every: str, *pauses: str) -> None:
         ckpt.counters.step += 1
         before = time.perf_counter()
         save = ckpt.maybe_save()
-        slowest = max(slowest, time.perf_counter() - before)
+        took = time.perf_counter() - before
+        slowest = max(slowest, took)
+        stalls.append((ckpt.counters.step, took))
         if save is not None:
             taken.append(save.step)
             pending.append(save)
@@ -87,7 +90,7 @@ def main(run: str, folder: str, steps: str, every: str, *pauses: str) -> None:
     durable = [] if "nowait" in pauses else [save.wait().step for save in pending]
     ckpt.end()
     ckpt.close()
-    result = {"slowest_maybe_save": slowest, "taken": taken, "durable": durable}
+    result = {"slowest_maybe_save": slowest, "stalls": stalls, "taken": taken, "durable": durable}
     (out / ("result.json" if rank == 0 else f"result-{rank}.json")).write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()

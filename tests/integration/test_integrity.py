@@ -18,7 +18,7 @@ from agent.catalog.manifests import latest_manifest, write_manifest
 from agent.catalog.store import store_held
 from agent.format.skeleton import JSON
 from agent.restore.download import read_layer
-from agent.save.upload import WriteStats, upload_layer
+from agent.save.upload import WriteStats, upload_layers
 from agent.state.capture import LayerState
 from ckpt import (
     BundleExistsError,
@@ -248,13 +248,13 @@ def test_a_crafted_skeleton_executes_nothing(tmp_path: Path, smuggled: dict[str,
     assert manifest is not None
     skeleton: JSON = {"models": {}, "masters": {}, "extras": {"box": crafted}, "grads": None}
     stats = WriteStats()
-    record = upload_layer(
+    record = upload_layers(
         store,
-        LayerState(skeleton, {}),
+        {Layer.WEIGHTS: LayerState(skeleton, {})},
         blob_bytes=1 << 20,
         stats=stats,
         held=store_held(store, set()),
-    )
+    )[Layer.WEIGHTS]
     layers = {**manifest.ranks[0].layers, Layer.WEIGHTS: record}
     write_manifest(store, run="integrity", position=(5, 0), world_size=1, ranks={0: layers})
     with pytest.raises(BundleFormatError):

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from agent.catalog.client import TRY_SECONDS
 from tests.fault_proxy import FaultProxy, Faults
 from tests.server_process import TOKEN, free_port, serving
 
@@ -114,12 +115,19 @@ def same_weights(first: Path, second: Path) -> bool:
 
 
 def through_an_outage(
-    trainer: subprocess.Popen[bytes], folder: Path, faults: Faults, *, down: int, up: int
+    trainer: subprocess.Popen[bytes],
+    folder: Path,
+    faults: Faults,
+    *,
+    down: int,
+    up: int,
+    fault: str = "reset",
 ) -> None:
-    """Drop every connection from step ``down`` until the trainer, paused at step ``up``,
-    has trained through at least ``OUTAGE_SECONDS`` of it; then let it go on."""
+    """Drop every connection (``fault``: or hold it unanswered, ``stall``) from step ``down``
+    until the trainer, paused at step ``up``, has trained through at least
+    ``OUTAGE_SECONDS`` of it; then let it go on."""
     wait_until((folder / f"at-{down}").exists, f"step {down}", trainer)
-    faults.rates["reset"] = 1.0  # down: every connection dropped
+    faults.rates[fault] = 1.0  # down: every connection dropped, or held
     down_at = time.monotonic()
     (folder / f"go-{down}").touch()
     wait_until((folder / f"at-{up}").exists, f"step {up}, in the outage", trainer)
@@ -151,6 +159,34 @@ def test_an_outage_skips_no_save_and_never_holds_training(tmp_path: Path) -> Non
     assert result["slowest_maybe_save"] < 2.0
     assert (second / "resumed").read_text() == "20"
     assert same_weights(second / "resumed.pt", first / "weights-20.pt")
+
+
+def test_a_black_holed_control_plane_holds_no_save_longer_than_a_calm_one(
+    tmp_path: Path,
+) -> None:
+    """The control plane holds every connection without answering (a black hole: a replica
+    hung, a network partition) for 10 s while the trainer saves every 2 steps: no
+    ``maybe_save()`` waits longer than twice the longest one before the outage, or that plus
+    half of ``TRY_SECONDS`` (a save's calls wait a second for an answer, then defer their
+    commit; before, the first waited ``TRY_SECONDS`` whatever its patience), and the run
+    resumes bit-exactly from the last save."""
+    faults = Faults(stall_seconds=OUTAGE_SECONDS)
+    with control_plane(tmp_path, free_port()) as url, proxied(url, faults) as proxy:
+        first = tmp_path / "first"
+        trainer = start_trainer(tmp_path, proxy.url, first, "24", "2", "8", "18")
+        through_an_outage(trainer, first, faults, down=8, up=18, fault="stall")
+        result = finish(trainer, first)
+        committed = sorted(b["step"] for b in lineage(url)["bundles"] if b["status"] == "complete")
+        second = tmp_path / "second"
+        finish(start_trainer(tmp_path, proxy.url, second, "24", "2"), second)
+    calm = max(seconds for step, seconds in result["stalls"] if step <= 8)
+    held = max(seconds for step, seconds in result["stalls"] if 8 < step <= 18)
+    print(f"longest maybe_save(): {calm * 1000:.1f} ms calm, {held * 1000:.1f} ms black-holed")
+    assert faults.seen["stall"] > 0
+    assert held <= max(2 * calm, calm + TRY_SECONDS / 2), result["log"]
+    assert result["taken"] == result["durable"] == committed == list(range(2, 25, 2))
+    assert (second / "resumed").read_text() == "24"
+    assert same_weights(second / "resumed.pt", first / "weights-24.pt")
 
 
 def test_a_bundle_whose_commit_never_came_is_rolled_forward(tmp_path: Path) -> None:

@@ -185,6 +185,14 @@ TABLE: list[Row] = [
     ),
     Row(
         "POST",
+        "/v1/bundles/{bundle}/layers/{rank}",
+        Access.WRITE,
+        200,
+        lambda w: f"/v1/bundles/{w.pending_id}/layers/0",
+        body=lambda w: {"epoch": w.live["epoch"], "layers": {RESTORE_ORDER[-1]: w.last_layer}},
+    ),
+    Row(
+        "POST",
         "/v1/bundles/{bundle}/commit",
         Access.WRITE,
         200,
