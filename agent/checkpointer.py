@@ -226,17 +226,15 @@ class Checkpointer:
         # The loop continues from the restored position (the run's own bundle: durable).
         self._schedule.saved(self._position())
         self._epochs.restart()
-        if own and result.layers == RESTORE_ORDER:
+        if whole := own and result.layers == RESTORE_ORDER:
             self._catalog.resumed(self._position())
             self._persister.resumed_at(self._position())
-            self._verifier.resumed(self._position())
         self.ranks.barrier(timeout=MEET_SECONDS)  # every rank restored before any trains
+        where = f"{result.bundle} at {self._position()} (layers {', '.join(result.layers)})"
+        announce(f"ckpt: run {self.config.run}: resumed from {where}", quiet=self.config.quiet)
+        if whole:  # after the line above: a verdict follows the resume it judges
+            self._verifier.resumed(self._position())
         self.time_spent.ready(self.counters.step)
-        announce(
-            f"ckpt: run {self.config.run}: resumed from {result.bundle} at "
-            f"{self._position()} (layers {', '.join(result.layers)})",
-            quiet=self.config.quiet,
-        )
         return result
 
     def batches(self) -> Iterator[Any]:

@@ -195,23 +195,6 @@ class ControlPlane:
             missing.update(body["missing"])
         return missing
 
-    def record_layer(
-        self,
-        bundle_id: int,
-        *,
-        rank: int,
-        layer: Layer,
-        epoch: int,
-        record: LayerRecord,
-        patience: float | None = None,
-    ) -> None:
-        self._call(
-            "PUT",
-            f"/v1/bundles/{bundle_id}/layers/{rank}/{layer}",
-            {"epoch": epoch, "record": record.model_dump(mode="json")},
-            patience=patience,
-        )
-
     def record_layers(
         self,
         bundle_id: int,

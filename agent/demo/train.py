@@ -17,6 +17,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -165,9 +166,11 @@ def drill_armed(marker: str | None) -> bool:
 
 def record_drill(marker: str | None, *, outcome: str, step: int) -> None:
     """Write what the drill did (``killed``, or ``nothing to upload``) to its record file."""
-    if marker is not None:
-        with open(marker, "w") as out:
+    if marker is not None:  # whole or not at all: a reader never sees it half written
+        partial = f"{marker}.{os.getpid()}.{threading.get_ident()}"
+        with open(partial, "w") as out:
             json.dump({"outcome": outcome, "step": step}, out)
+        os.replace(partial, marker)
 
 
 def parse_pause(text: str) -> tuple[tuple[int, int], float]:
@@ -188,12 +191,14 @@ class DrillStore:
         self.drill_over = False  # it found its bundle stored already
         self.spared = False  # it met a process told to stop: that attempt must end preempted
         self.stopping: Callable[[], bool] = lambda: False  # Checkpointer.stopping, once built
+        self._fire = threading.Lock()
 
     def put(self, key: str, pieces: Iterable[memoryview | bytes]) -> None:
         if key.startswith("blobs/"):
             if self.kill_in_upload_of is not None and self.stopping():
                 self.spared = True
             elif self.kill_in_upload_of is not None:
+                self._fire.acquire()  # one upload thread kills; the others wait for it
                 record_drill(self.marker, outcome="killed", step=self.kill_in_upload_of)
                 print("killed during an upload", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -130,11 +130,12 @@ class Verifier:
             self._expected[-1].place if self._expected else None, timeout=MEET_SECONDS
         )
         self._window_end = max((end for end in ends if end is not None), default=None)
-        if self._window_end is None:
-            self.conclude()
+        if self._window_end is None:  # nothing to replay: reported, not printed
+            self.conclude(printed=False)
 
-    def conclude(self) -> None:
-        """Compare the replay so far on every rank (a meeting); rank 0 reports the verdict."""
+    def conclude(self, *, printed: bool = True) -> None:
+        """Compare the replay so far on every rank (a meeting); rank 0 reports the verdict
+        (and prints it, unless ``printed`` is false and it is not a divergence)."""
         self._window_end = None
         assert self._mode is not None and self._keeper is not None
         got = {each.place: each for each in self.ring.snapshot()}
@@ -148,18 +149,20 @@ class Verifier:
         )
         self.verification, self._expected = verification, []
         if self._ranks.rank == 0:
-            self._tell(verification)
+            self._tell(verification, printed=printed)
         if verification.verdict is Verdict.DIVERGED and self._stop:
             raise ResumeDivergedError(
                 f"run {self._run}: the resume {verification} (CKPT_VERIFY_STOP stops here)"
             )
 
-    def _tell(self, verification: Verification) -> None:
+    def _tell(self, verification: Verification, *, printed: bool) -> None:
         line = f"ckpt: run {self._run}: resume {verification}"
         if verification.verdict is Verdict.DIVERGED:
             log.warning("%s", line)
-        else:
+        elif printed:
             announce(line, quiet=self._quiet)
+        else:
+            log.info("%s", line)
         try:
             assert self._keeper is not None
             self._keeper.report(verification)

@@ -154,20 +154,20 @@ def test_sigterm_during_a_slow_upload_waits_for_it_and_keeps_it(
 def test_a_save_that_does_not_fit_the_grace_period_keeps_the_last_bundle(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
-    """Uploads are slow (3 s a blob, so a save takes 18 s or more: six layers, each storing
-    its blobs in parallel), the grace period 15 s: step 13 lasts until the save at step 10
-    is durable, and the measured save time does not fit what is left after the signal at
-    14.1. The next step boundary must come before the deadline (13.5 s), which it does even
-    on a machine so busy that one micro-batch takes seconds (a 3 s grace period left 2 s)."""
+    """Uploads are slow (8 s a blob: a save, which writes its blobs in parallel, takes 8 s or
+    more), the grace period 6 s: step 13 lasts until the save at step 10 is durable, and the
+    measured save time does not fit what is left after the signal at 14.1. The next step
+    boundary must come before the deadline (5 s), which it does even on a machine so busy
+    that one micro-batch takes seconds (a 3 s grace period left 2 s)."""
     store = tmp_path / "store"
-    grace = 15.0
+    grace = 6.0
     first = drill(
         store,
         tmp_path / "a.pt",
         *STEPS,
         *EVERY,
         "--slow-store",
-        "3.0",
+        "8.0",
         "--durable-at",
         "13.0",
         "--signal-at",
