@@ -17,26 +17,15 @@ import torch
 
 from agent.interop import found
 from agent.interop.found import Found
+from agent.interop.framework_keys import LIGHTNING_FIT_LOOP, TRAINER_STATE_FIELDS
 from agent.interop.loading import expect_dict, load_json, load_safetensors, load_torch
 from ckpt.core.contract import Layer
 from ckpt.core.errors import ImportSourceError
 
-# The TrainerState fields ckpt's Hugging Face integration carries (its ``_STATE_FIELDS``).
-_HF_STATE_FIELDS = (
-    "epoch",
-    "global_step",
-    "num_input_tokens_seen",
-    "total_flos",
-    "log_history",
-    "best_metric",
-    "best_global_step",
-    "best_model_checkpoint",
-)
 _HF_NO_DATA = (
     "the Trainer saves no data position (it skips global_step's batches on resume, as ckpt's "
     "integration does without one)"
 )
-_LIGHTNING_FIT_LOOP = "lightning_fit_loop"  # ckpt.integrations.lightning.FIT_LOOP
 
 
 def read_hf(folder: Path, *, unsafe: bool) -> Found:
@@ -104,7 +93,7 @@ def _hf_progress(trainer_state: dict[str, Any]) -> dict[str, Any]:
     """The Trainer's progress as its own resume sets it: the saved state, and the loss
     accumulators started again (``tr_loss`` 0, the last log at ``global_step``)."""
     return {
-        "state": {name: trainer_state.get(name) for name in _HF_STATE_FIELDS},
+        "state": {name: trainer_state.get(name) for name in TRAINER_STATE_FIELDS},
         "tr_loss": torch.tensor(0.0),
         "total_loss": 0.0,
         "last_logged_step": trainer_state["global_step"],
@@ -185,5 +174,5 @@ def _lightning_counters(checkpoint: dict[str, Any], *, path: Path) -> dict[str, 
         step=checkpoint["global_step"],
         epoch=int(checkpoint["epoch"]),
         batch=int(batch),
-        **{_LIGHTNING_FIT_LOOP: fit_loop},
+        **{LIGHTNING_FIT_LOOP: fit_loop},
     )

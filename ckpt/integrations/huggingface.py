@@ -31,6 +31,7 @@ from transformers.trainer_utils import TrainOutput
 
 from agent.checkpointer import Checkpointer
 from agent.data.sampling import ResumableSampler, mix_seed
+from agent.interop.framework_keys import TRAINER_STATE_FIELDS
 from agent.restore.resume import ResumeResult
 
 __all__ = ["CheckpointCallback", "CheckpointMixin", "CheckpointTrainer"]
@@ -39,19 +40,6 @@ __all__ = ["CheckpointCallback", "CheckpointMixin", "CheckpointTrainer"]
 # resumes in: the Trainer then goes on from the right micro-batch, and ``_load_rng_state``
 # (overridden) knows the RNG is ckpt's to restore, not a directory's.
 RESUMED_BY_CKPT = "<resumed by ckpt>"
-
-# The TrainerState fields a bundle carries: where the run is and what it logged. The rest
-# (max_steps, logging_steps, batch size...) comes from the TrainingArguments of this attempt.
-_STATE_FIELDS = (
-    "epoch",
-    "global_step",
-    "num_input_tokens_seen",
-    "total_flos",
-    "log_history",
-    "best_metric",
-    "best_global_step",
-    "best_model_checkpoint",
-)
 
 
 class TrainerProgress:
@@ -67,7 +55,7 @@ class TrainerProgress:
         trainer = self.trainer
         state = dataclasses.asdict(trainer.state)
         return {
-            "state": {name: state[name] for name in _STATE_FIELDS},
+            "state": {name: state[name] for name in TRAINER_STATE_FIELDS},
             "tr_loss": trainer._tr_loss,
             "total_loss": trainer._total_loss_scalar,
             "last_logged_step": trainer._globalstep_last_logged,

@@ -81,6 +81,7 @@ from torch.utils.data import DataLoader
 
 from agent.checkpointer import Checkpointer
 from agent.config import InFlight
+from agent.interop.framework_keys import LIGHTNING_FIT_LOOP
 from agent.restore.resume import ResumeResult
 from agent.state.objects import Generator
 from agent.stateful import Stateful
@@ -88,7 +89,6 @@ from ckpt.core.storage import ObjectStore
 
 __all__ = ["CheckpointCallback", "CheckpointerOptions"]
 
-FIT_LOOP = "lightning_fit_loop"  # the key of the fit loop's progress in the counters' extras
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
@@ -184,7 +184,7 @@ class CheckpointCallback(pl.Callback):
     ) -> None:
         """After ckpt's layers: the fit loop's progress and the loader's iterator."""
         fit_loop = trainer.fit_loop
-        state = ckpt.counters.extras.get(FIT_LOOP)
+        state = ckpt.counters.extras.get(LIGHTNING_FIT_LOOP)
         if not isinstance(state, dict):
             raise ValueError(
                 f"run {ckpt.config.run}: its bundle holds no Lightning loop progress; it was not "
@@ -259,7 +259,7 @@ class CheckpointCallback(pl.Callback):
         counters.batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         state = trainer.fit_loop.state_dict()
         state["state_dict"].pop("combined_loader", None)  # the data layer holds the loader
-        counters.extras[FIT_LOOP] = state
+        counters.extras[LIGHTNING_FIT_LOOP] = state
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After Lightning's teardown gave the signal handlers back: ckpt's close then

@@ -16,7 +16,6 @@ from agent.demo.compare import differences
 from agent.demo.report import format_attempt
 from tests.conftest import run_trainer
 from tests.server_process import ckpt_server
-from tests.service.conftest import create_pg_database, drop_pg_database
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +27,6 @@ EVERY = ("--every", "8")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("reference")
     return run_trainer(root / "store", root / "reference.pt", *STEPS)
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request: pytest.FixtureRequest) -> Any:
-    if request.param == "sqlite":
-        yield None
-        return
-    url = create_pg_database()
-    yield url
-    drop_pg_database(url)
 
 
 def test_killed_run_resumes_through_the_control_plane_bit_exactly(

@@ -26,6 +26,7 @@ from ckpt.core.errors import ImportSourceError
 from ckpt.core.storage import open_store
 from ckpt.integrations.huggingface import CheckpointCallback, CheckpointMixin
 from tests.integration.hf_trainer import Tokens
+from tests.integration.test_import_dicts import assert_optimizer_equal, assert_tensors_equal
 
 pytestmark = [
     pytest.mark.slow,
@@ -121,13 +122,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def assert_same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     assert ours["step"] == theirs["step"] == MAX_STEPS
     assert torch.equal(ours["losses"], theirs["losses"])
-    assert ours["model"].keys() == theirs["model"].keys()
-    for name, tensor in theirs["model"].items():
-        assert torch.equal(ours["model"][name], tensor), name
-    assert ours["optimizer"]["param_groups"] == theirs["optimizer"]["param_groups"]
-    for index, state in theirs["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(ours["optimizer"]["state"][index][key], value), (index, key)
+    assert_tensors_equal(ours["model"], theirs["model"])
+    assert_optimizer_equal(ours["optimizer"], theirs["optimizer"])
     assert ours["scheduler"] == theirs["scheduler"]
 
 

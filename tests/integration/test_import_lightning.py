@@ -27,6 +27,7 @@ from ckpt.core.errors import ImportSourceError
 from ckpt.core.storage import open_store
 from ckpt.integrations.lightning import CheckpointCallback
 from tests.integration.lightning_trainer import Samples
+from tests.integration.test_import_dicts import assert_optimizer_equal, assert_tensors_equal
 
 pytestmark = [
     pytest.mark.slow,
@@ -113,12 +114,8 @@ def test_a_lightning_checkpoint_resumes_under_ckpt_as_under_lightning(
     assert len(theirs["losses"]) == (EPOCHS - 1) * BATCHES
     assert ours["step"] == theirs["step"] == EPOCHS * BATCHES
     assert torch.equal(ours["losses"], theirs["losses"])
-    for name, tensor in theirs["model"].items():
-        assert torch.equal(ours["model"][name], tensor), name
-    assert ours["optimizer"]["param_groups"] == theirs["optimizer"]["param_groups"]
-    for index, state in theirs["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(ours["optimizer"]["state"][index][key], value), (index, key)
+    assert_tensors_equal(ours["model"], theirs["model"])
+    assert_optimizer_equal(ours["optimizer"], theirs["optimizer"])
     assert ours["scheduler"] == theirs["scheduler"]
 
 

@@ -6,7 +6,6 @@ control plane; a bundle whose missing layers were not accepted is never committe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -16,20 +15,9 @@ from agent.checkpointer import Checkpointer
 from ckpt.cli import main as cli
 from tests.integration.dcp_writer import model_and_optimizer
 from tests.server_process import ckpt_server
-from tests.service.conftest import create_pg_database, drop_pg_database
 from tests.ui.signin import signed_in_client
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request: pytest.FixtureRequest) -> Any:
-    if request.param == "sqlite":
-        yield None
-        return
-    url = create_pg_database()
-    yield url
-    drop_pg_database(url)
 
 
 def test_an_imported_partial_bundle_is_committed_and_shown_as_such(

@@ -15,12 +15,9 @@ from ckpt import Layer
 from ckpt.core.contract import LayerRecord, RankRecord, missing_parts
 from ckpt.core.storage import DirectoryStore, keys
 from tests.conftest import run_trainer
-from tests.integration.test_agent_server import database_url
 from tests.server_process import ckpt_server
 
 pytestmark = pytest.mark.slow
-
-__all__ = ["database_url"]  # the fixture, sqlite and postgres
 
 STEPS = ("--steps", "24", "--total-steps", "32")
 # A policy save at step 6, then the user's save at step 6, micro step 2 (an emergency save
