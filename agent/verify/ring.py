@@ -33,9 +33,6 @@ class Ring:
         self._entries: dict[Place, _Entry] = {}
         self.version = 0  # changes with every record and drop
 
-    def __contains__(self, place: Place) -> bool:
-        return place in self._entries
-
     def record(
         self, place: Place, *, sample: torch.Tensor | None, loss: torch.Tensor | float | None
     ) -> None:
