@@ -262,8 +262,9 @@ class Checkpointer:
         ``SystemExit(128 + signal)`` (143 for SIGTERM).
         """
         self.time_spent.ready(self.counters.step)  # when the loop did not resume() first
-        self._verifier.at(self._position())
-        if not self._schedule.due(self._position()):
+        position = self._position()
+        self._verifier.at(position)
+        if not self._schedule.due(position):
             return None
         return self.save()
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from anyio import CapacityLimiter
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +29,6 @@ from service.bulk import not_json
 from service.bundles.endpoints import router as bundles_router
 from service.context import Context
 from service.db import upgrade
-from service.deps import priority_threads
 from service.errors import (
     DatabaseUnavailableError,
     InvalidRequestError,
@@ -70,7 +70,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     )
     app.state.context = context
     app.state.admin_token = admin_token
-    app.state.priority_threads = priority_threads(settings.priority_threads)
+    app.state.priority_threads = CapacityLimiter(settings.priority_threads)  # deps.Priority
     for router in (
         health_router,
         runs_router,

@@ -15,11 +15,10 @@ from pydantic import BeforeValidator
 
 from service.auth.service import Principal, authenticate
 from service.context import Context
-from service.names import MAX_ID, RUN_NAME_PATTERN
+from service.names import MAX_ID, MAX_RANK, RUN_NAME_PATTERN
 from service.settings import admin_tokens
 
 T = TypeVar("T")
-MAX_RANK = 16383  # world sizes go up to 16384
 
 
 async def get_context(request: Request) -> Context:
@@ -79,11 +78,6 @@ class Priority:
             return work(self.context, principal)
 
         return await anyio.to_thread.run_sync(authenticated, limiter=self.threads)
-
-
-def priority_threads(count: int) -> CapacityLimiter:
-    """The priority class's threads, for ``app.state.priority_threads``."""
-    return CapacityLimiter(count)
 
 
 async def get_priority(

@@ -24,6 +24,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from service.names import VERDICTS
+
 # Set by ``ckpt server`` for its workers; read by prometheus_client when it is imported.
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -112,7 +114,7 @@ class Metrics:
             ["verdict"],
             registry=self.registry,
         )
-        for verdict in ("verified", "diverged", "unverifiable"):  # exported from 0
+        for verdict in VERDICTS:  # exported from 0
             self.resume_verifications.labels(verdict=verdict)
         self.fenced = Counter(
             "ckpt_fenced_writes", "writes refused from fenced attempts", registry=self.registry

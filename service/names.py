@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, Field
 
@@ -44,3 +44,9 @@ MAX_ID = 2**31 - 1
 # strict: "30" is not a step, nor true a world size
 Id = Annotated[int, Field(ge=1, le=MAX_ID, strict=True)]
 Step = Annotated[int, Field(ge=0, le=MAX_STEP, strict=True)]
+MAX_RANK = 16383  # world sizes go up to 16384
+Rank = Annotated[int, Field(ge=0, le=MAX_RANK, strict=True)]
+
+# A resume's verdict on the steps it replayed (agent.verify.compare.Verdict's values).
+Verdict = Literal["verified", "diverged", "unverifiable"]
+VERDICTS: tuple[str, ...] = get_args(Verdict)

@@ -77,12 +77,13 @@ def format_verdicts(attempts: list[dict[str, Any]]) -> str:
 
 
 def format_verification(verification: dict[str, Any]) -> str:
-    """``verified 37 steps``, ``diverged at 1204: loss 2.3811 vs 2.3809``, ``unverifiable``."""
+    """``verified 37 steps``, ``diverged at 1204: loss 2.3811 vs 2.3809`` (got vs expected, as
+    ``ckpt attempts`` and the agent's own line say it), ``unverifiable``."""
     if verification["verdict"] == "verified":
         return f"verified {verification['steps_compared']} steps"
     first = verification.get("first_difference")
     if verification["verdict"] == "diverged" and first:
-        return f"diverged at {first['step']}: {first['part']} {first['expected']} vs {first['got']}"
+        return f"diverged at {first['step']}: {first['part']} {first['got']} vs {first['expected']}"
     return str(verification["verdict"])
 
 

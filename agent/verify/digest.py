@@ -24,7 +24,7 @@ MAX_TENSORS = 32  # parameters sampled, evenly spaced among the trained ones
 class ParamSample:
     """Gathers the same elements of the same parameters at every step."""
 
-    def __init__(self, models: Mapping[str, nn.Module], *, elements: int = ELEMENTS) -> None:
+    def __init__(self, models: Mapping[str, nn.Module]) -> None:
         named = sorted(
             (f"{model}/{name}", param)
             for model, module in models.items()
@@ -34,7 +34,7 @@ class ParamSample:
         if len(named) > MAX_TENSORS:
             stride = len(named) / MAX_TENSORS
             named = [named[int(index * stride)] for index in range(MAX_TENSORS)]
-        each = max(1, elements // max(1, len(named)))
+        each = max(1, ELEMENTS // max(1, len(named)))
         self._picks = [
             (param, _indices(name, _local(param).numel(), each)) for name, param in named
         ]

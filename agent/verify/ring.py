@@ -1,4 +1,4 @@
-"""This attempt's fingerprints of its steps since its newest bundle, the last ``capacity``.
+"""This attempt's fingerprints of its steps since its newest bundle, the last ``CAPACITY``.
 
 The loop thread records; the threads that keep them (the store's writer, the heartbeats)
 read. A sample is digested (its bytes read back from the device and hashed) only when
@@ -27,8 +27,7 @@ class _Entry:
 
 
 class Ring:
-    def __init__(self, *, capacity: int = CAPACITY) -> None:
-        self._capacity = capacity
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Place, _Entry] = {}
         self.version = 0  # changes with every record and drop
@@ -46,7 +45,7 @@ class Ring:
             entry.sample = entry.sample if sample is None else sample
             entry.loss = entry.loss if loss is None else loss
             entry.made = None
-            while len(self._entries) > self._capacity:  # positions come in order: the oldest
+            while len(self._entries) > CAPACITY:  # positions come in order: the oldest
                 del self._entries[next(iter(self._entries))]
             self.version += 1
 

@@ -249,7 +249,7 @@ def _check_complete(
         world_size=bundle.world_size,
         recorded=plan.records,
         stored=stored,
-        accepted=accepted_missing(bundle),
+        accepted=accepted_missing(imported_of(bundle)),
     )
     if missing:
         context.metrics.rejected.labels(reason="incomplete").inc()

@@ -271,7 +271,7 @@ def bundle_out(
         missing_layers=completeness.missing_layers(
             world_size=bundle.world_size,
             recorded={(r.rank, r.layer) for r in recorded},
-            accepted=accepted_missing(bundle),
+            accepted=accepted_missing(imported),
         ),
         manifest=manifest,
         saves=[
@@ -287,9 +287,8 @@ def imported_of(bundle: Bundle) -> Imported | None:
     return Imported.model_validate(bundle.imported) if bundle.imported else None
 
 
-def accepted_missing(bundle: Bundle) -> tuple[Layer, ...]:
-    """The layers an imported, partial bundle commits without."""
-    imported = imported_of(bundle)
+def accepted_missing(imported: Imported | None) -> tuple[Layer, ...]:
+    """The layers an imported, partial bundle (``imported_of``) commits without."""
     return imported.missing if imported is not None else ()
 
 

@@ -14,7 +14,7 @@ from service.errors import (
     NotFoundError,
     responses,
 )
-from service.names import MAX_STEP, PRINTABLE
+from service.names import MAX_RANK, MAX_STEP, PRINTABLE
 from service.runs import attempts, mtbf, replay, service
 from service.runs.schemas import (
     AttemptCreate,
@@ -116,7 +116,7 @@ def get_replay(
     principal: PrincipalDep,
     context: ContextDep,
     *,
-    rank: Annotated[int, Query(ge=0, le=16383)] = 0,
+    rank: Annotated[int, Query(ge=0, le=MAX_RANK)] = 0,
     after_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
     after_micro_step: Annotated[int, Query(ge=0, le=MAX_STEP)] = 0,
 ) -> Replay:

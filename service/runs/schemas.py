@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ckpt.core.contract import Manifest
-from service.names import PRINTABLE, Hostname, Id, Label, RunName, Step
+from service.names import PRINTABLE, Hostname, Id, Label, Rank, RunName, Step, Verdict
 
 Count = Annotated[int, Field(ge=1, le=1_000_000, strict=True)]
 # How an attempt says it ended (an EndReason); "lost" is the service's verdict, never reported.
@@ -143,9 +143,7 @@ class Heartbeat(_Request):
         description="with it: the seconds of each hour it expects to lose there, to saves and "
         "to work redone after preemptions",
     )
-    rank: Annotated[int, Field(ge=0, le=16383, strict=True)] = Field(
-        default=0, description="the rank that beats, in a job of many ranks"
-    )
+    rank: Rank = Field(default=0, description="the rank that beats, in a job of many ranks")
     fingerprints: list[Fingerprint] = Field(
         default=[],
         max_length=MAX_FINGERPRINTS,
@@ -161,13 +159,10 @@ class Replay(BaseModel):
     fingerprints: list[Fingerprint] = Field(description="sorted by (step, micro_step)")
 
 
-Verdict = Literal["verified", "diverged", "unverifiable"]
-
-
 class Difference(_Request):
     step: Step
     micro_step: Step
-    rank: Annotated[int, Field(ge=0, le=16383, strict=True)]
+    rank: Rank
     part: Annotated[str, Field(max_length=32, pattern=PRINTABLE)] = Field(
         description='what differed: "loss" or a part\'s name'
     )

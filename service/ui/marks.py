@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from html import escape
 
+from service.names import VERDICTS
 from service.ui import palette
 
 MARK_RADIUS = 7  # a bundle's mark: 14 px across
@@ -23,7 +24,6 @@ DETAIL_FONT = 12
 SHOWN_STATUS = {"deleted": "collected"}
 STATUSES = ("complete", "pending", "quarantined", "failed", "collected")
 ENDINGS = ("running", "replaced", "preempted", "lost", "failed", "finished")
-VERDICTS = ("verified", "diverged", "unverifiable")
 
 
 def bundle_mark(status: str, x: float, y: float, *, live: bool = True, pinned: bool = False) -> str:

@@ -178,8 +178,9 @@ def bundle_page(
     command, note = resume_command(
         run.name, bundle, resumable_id=resumable.id if resumable else None, server_url=server_url
     )
+    imported = imported_of(bundle)
     missing = completeness.missing_layers(
-        world_size=bundle.world_size, recorded=set(recorded), accepted=accepted_missing(bundle)
+        world_size=bundle.world_size, recorded=set(recorded), accepted=accepted_missing(imported)
     )
     ranks = _matrix(bundle.world_size, recorded)
     return BundlePage(
@@ -200,7 +201,7 @@ def bundle_page(
         new_run_command=new_run_command(run.name, bundle, server_url=server_url),
         resume_command=command,
         resume_note=note,
-        imported=imported_words(imported_of(bundle)),
+        imported=imported_words(imported),
     )
 
 
