@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from service.names import VERDICTS
 from service.ui import marks, palette
 from service.ui.drawing import WIDTH, Lane, Mark, Picture, draw_lineage, lost_from
 from service.ui.saves import SavePoint, draw_saves
@@ -72,7 +73,7 @@ def shape(svg: str) -> str:
 def test_each_status_ending_and_verdict_has_its_own_shape() -> None:
     bundles = [shape(marks.bundle_mark(status, 0, 0)) for status in marks.STATUSES]
     endings = [shape(marks.end_marker(ended, 0, 0)) for ended in marks.ENDINGS]
-    verdicts = [shape(marks.verdict_mark(verdict, 0, 0)) for verdict in marks.VERDICTS]
+    verdicts = [shape(marks.verdict_mark(verdict, 0, 0)) for verdict in VERDICTS]
     assert len(set(bundles)) == len(bundles)
     assert len(set(endings)) == len(endings)
     assert len(set(verdicts)) == len(verdicts)
