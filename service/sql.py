@@ -38,9 +38,13 @@ def locked(statement: S, lock: Lock) -> S:
 
 def insert(session: Session, table: type[DeclarativeBase]) -> Any:
     """An INSERT that knows ``on_conflict_do_nothing`` / ``_do_update`` on this database."""
-    if session.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(table)
-    return sqlite.insert(table)
+    return insert_for(session.get_bind().dialect.name, table)
+
+
+def insert_for(dialect: str, table: type[DeclarativeBase]) -> Any:
+    """``insert`` for the database named ``dialect`` (a statement built once, for a session
+    that comes later)."""
+    return postgresql.insert(table) if dialect == "postgresql" else sqlite.insert(table)
 
 
 def one_of(

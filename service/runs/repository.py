@@ -25,7 +25,7 @@ from service.models import (
     utcnow,
 )
 from service.runs.activity import refresh_activity
-from service.sql import Lock, insert, locked
+from service.sql import Lock, insert, insert_for, locked
 
 
 def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | None:
@@ -34,12 +34,18 @@ def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | Non
 
 def get_run_and_head(session: Session, *, name: str) -> tuple[Run, Bundle | None] | None:
     """The run and its head bundle, in one statement."""
-    found = session.execute(
+    found = session.execute(_run_and_head(), {"name": name}).first()
+    return (found[0], found[1]) if found else None
+
+
+@functools.cache
+def _run_and_head() -> Select[tuple[Run, Bundle]]:
+    """``/resumable``'s statement, built once: building it costs more than running it."""
+    return (
         select(Run, Bundle)
         .outerjoin(Bundle, Bundle.id == Run.head_bundle_id)
-        .where(Run.name == name)
-    ).first()
-    return (found[0], found[1]) if found else None
+        .where(Run.name == bindparam("name"))
+    )
 
 
 def get_run_by_id(session: Session, *, run_id: int, lock: Lock = Lock.NONE) -> Run:
@@ -155,25 +161,36 @@ def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) ->
     return session.scalar(locked(select(Attempt).where(Attempt.id == attempt_id), lock))
 
 
-def get_attempt_run(session: Session, *, attempt_id: int) -> Run | None:
-    """The attempt's run, share-locked (the attempt's row is not locked)."""
-    return session.scalar(
+# The statements of every heartbeat, built once: building one costs more CPU than running it.
+@functools.cache
+def _attempt_run() -> Select[tuple[Run]]:
+    return (
         select(Run)
         .join(Attempt, Attempt.run_id == Run.id)
-        .where(Attempt.id == attempt_id)
+        .where(Attempt.id == bindparam("attempt_id"))
         .with_for_update(read=True, of=Run)
     )
+
+
+@functools.cache
+def _attempt_to_change() -> Select[tuple[Attempt, int]]:
+    return (
+        select(Attempt, func.coalesce(Bundle.step, 0))
+        .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
+        .where(Attempt.id == bindparam("attempt_id"))
+        .with_for_update(key_share=True, of=Attempt)
+    )
+
+
+def get_attempt_run(session: Session, *, attempt_id: int) -> Run | None:
+    """The attempt's run, share-locked (the attempt's row is not locked)."""
+    return session.scalar(_attempt_run(), {"attempt_id": attempt_id})
 
 
 def get_attempt_to_change(session: Session, *, attempt_id: int) -> tuple[Attempt, int] | None:
     """The attempt locked for a change of its non-key columns, and the step it resumed from
     (0: it started fresh)."""
-    found = session.execute(
-        select(Attempt, func.coalesce(Bundle.step, 0))
-        .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
-        .where(Attempt.id == attempt_id)
-        .with_for_update(key_share=True, of=Attempt)
-    ).first()
+    found = session.execute(_attempt_to_change(), {"attempt_id": attempt_id}).first()
     return (found[0], found[1]) if found else None
 
 
@@ -261,15 +278,18 @@ def rank_silent(session: Session, *, attempt_id: int, silent_since: datetime) ->
 
 
 def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> None:
-    """Record a heartbeat of one rank of the attempt."""
-    statement = insert(session, AttemptRank).values(
-        attempt_id=attempt_id, rank=rank, heartbeat_at=at
-    )
-    session.execute(
-        statement.on_conflict_do_update(
-            index_elements=["attempt_id", "rank"],
-            set_={"heartbeat_at": statement.excluded.heartbeat_at},
-        )
+    """Record a heartbeat of one rank of the attempt (on the session's connection: no
+    flush of the attempt it changes first, which its commit writes)."""
+    values = {"attempt_id": attempt_id, "rank": rank, "heartbeat_at": at}
+    session.connection().execute(_beat_rank(session.get_bind().dialect.name), values)
+
+
+@functools.cache
+def _beat_rank(dialect: str) -> Any:
+    statement = insert_for(dialect, AttemptRank)
+    return statement.on_conflict_do_update(
+        index_elements=["attempt_id", "rank"],
+        set_={"heartbeat_at": statement.excluded.heartbeat_at},
     )
 
 
