@@ -170,6 +170,14 @@ class Metrics:
             buckets=SAVE_SECONDS_BUCKETS,
             registry=self.registry,
         )
+        self.save_tax = Histogram(
+            "ckpt_save_tax_seconds",
+            "the save tax: the training loop's extra wall-clock time for a rank's save, from "
+            "save() until durable (the stall included), as the rank reported it; a save whose "
+            "rank did not know its tax is not counted",
+            buckets=SAVE_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
         self.save_persist = Histogram(
             "ckpt_save_persist_seconds",
             "seconds from the end of a rank's staging until its bundle was committed",

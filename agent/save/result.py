@@ -59,6 +59,7 @@ class SaveResult:
             persist_seconds=self.persist_seconds,
             payload_bytes=self.payload_bytes,
             new_bytes=self.new_bytes,
+            tax_seconds=self.tax_seconds,
         )
 
 

@@ -245,13 +245,17 @@ class SaveFigures(_Frozen):
     save before it when one was still in flight); ``persist_seconds`` runs from the end of
     staging until the bundle was committed; ``new_bytes`` are the bytes this save uploaded
     (the rest of ``payload_bytes`` was already in the store; a blob uploaded twice, because it
-    vanished before the commit, counts twice).
+    vanished before the commit, counts twice). ``tax_seconds`` is the save tax: the extra
+    wall-clock time the training loop paid for the save, from ``save()`` until durable (its
+    optimizer steps over the median step before it; the stall included); None when unknown
+    (the loop had made too few steps without a save in flight).
     """
 
     stall_seconds: Seconds
     persist_seconds: Seconds
     payload_bytes: Bytes
     new_bytes: Bytes
+    tax_seconds: Seconds | None = None
 
 
 def missing_parts(manifest: Manifest) -> list[tuple[int, Layer]]:

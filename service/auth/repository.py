@@ -2,22 +2,24 @@ from __future__ import annotations
 
 import functools
 from datetime import datetime
-from typing import Any
 
 from sqlalchemy import Row, Select, bindparam, select
 from sqlalchemy.orm import Session
 
 from service.models import Token, utcnow
 
+# A token as every request reads it: id, name, role, run_name, expires_at.
+TokenRow = Row[int, str, str, str | None, datetime | None]
 
-def find_token(session: Session, *, token_hash: str) -> Row[Any] | None:
+
+def find_token(session: Session, *, token_hash: str) -> TokenRow | None:
     """The unrevoked token with this hash: its ``id``, ``name``, ``role``, ``run_name`` and
     ``expires_at`` (a row, not an entity: every request reads it)."""
     return session.connection().execute(_find_token(), {"token_hash": token_hash}).first()
 
 
 @functools.cache
-def _find_token() -> Select[Any]:
+def _find_token() -> Select[int, str, str, str | None, datetime | None]:
     """Every request's statement, built once: building it costs more than running it."""
     return select(Token.id, Token.name, Token.role, Token.run_name, Token.expires_at).where(
         Token.token_hash == bindparam("token_hash"), Token.revoked_at.is_(None)

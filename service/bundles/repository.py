@@ -129,7 +129,12 @@ def insert_layer(
 
 
 def put_save(
-    session: Session, *, bundle_id: int, run_id: int, rank: int, figures: Mapping[str, float]
+    session: Session,
+    *,
+    bundle_id: int,
+    run_id: int,
+    rank: int,
+    figures: Mapping[str, float | None],
 ) -> bool:
     """Store a rank's save figures, replacing any it reported before; whether they are new.
     ``run_id`` is the bundle's run (the dashboard sums a run's saves by it)."""

@@ -139,6 +139,7 @@ class SaveOut(BaseModel):
     persist_seconds: float
     payload_bytes: int
     new_bytes: int
+    tax_seconds: float | None  # the save tax; None: the rank did not know it
     reported_at: datetime
 
 
@@ -160,7 +161,7 @@ class BundleOut(BaseModel):
     manifest: Manifest | None
     saves: list[SaveOut]  # by rank: the figures the ranks reported
     imported: Imported | None = None  # made by ckpt import (None: by a save)
-    partial: bool = False  # imported without some layers: never a bit-exact resume  # by rank: the figures the ranks reported
+    partial: bool = False  # imported without some layers: never a bit-exact resume
 
 
 class Committed(BaseModel):

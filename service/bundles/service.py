@@ -372,6 +372,8 @@ def _claim(session: Session, bundle: Bundle, *, records: Collection[LayerRecord]
 
 def _count_save(metrics: Metrics, figures: SaveFigures) -> None:
     metrics.save_stall.observe(figures.stall_seconds)
+    if figures.tax_seconds is not None:  # unknown: no sample (not a tax of 0)
+        metrics.save_tax.observe(figures.tax_seconds)
     metrics.save_persist.observe(figures.persist_seconds)
     metrics.save_payload_bytes.inc(figures.payload_bytes)
     metrics.save_new_bytes.inc(figures.new_bytes)

@@ -119,6 +119,7 @@ class Save(Base):
             "persist_seconds",
             "payload_bytes",
             "new_bytes",
+            "tax_seconds",
         ),
     )
 
@@ -130,6 +131,9 @@ class Save(Base):
     persist_seconds: Mapped[float] = mapped_column(Float)  # end of staging to the commit
     payload_bytes: Mapped[int] = mapped_column(BigInteger)
     new_bytes: Mapped[int] = mapped_column(BigInteger)  # uploaded; the rest was in the store
+    # The save tax: the loop's extra wall-clock time from save() until durable (the stall
+    # included). None: the rank did not know it (too few steps before the save).
+    tax_seconds: Mapped[float | None] = mapped_column(Float)
     reported_at: Mapped[datetime]
 
 

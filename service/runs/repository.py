@@ -39,7 +39,7 @@ def get_run_and_head(session: Session, *, name: str) -> tuple[Run, Bundle | None
 
 
 @functools.cache
-def _run_and_head() -> Select[tuple[Run, Bundle]]:
+def _run_and_head() -> Select[Run, Bundle]:
     """``/resumable``'s statement, built once: building it costs more than running it."""
     return (
         select(Run, Bundle)
@@ -163,7 +163,7 @@ def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) ->
 
 # The statements of every heartbeat, built once: building one costs more CPU than running it.
 @functools.cache
-def _attempt_run() -> Select[tuple[Run]]:
+def _attempt_run() -> Select[Run]:
     return (
         select(Run)
         .join(Attempt, Attempt.run_id == Run.id)
@@ -173,7 +173,7 @@ def _attempt_run() -> Select[tuple[Run]]:
 
 
 @functools.cache
-def _attempt_to_change() -> Select[tuple[Attempt, int]]:
+def _attempt_to_change() -> Select[Attempt, int]:
     return (
         select(Attempt, func.coalesce(Bundle.step, 0))
         .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)

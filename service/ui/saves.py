@@ -1,5 +1,6 @@
-"""The run page's save figures as SVG text: four small panels over the steps, each with its
-values' range (min and max) and the steps it spans, so that a printed page reads too.
+"""The run page's save figures as SVG text: five small panels over the steps, each with its
+values' range (min and max) and the steps it spans, so that a printed page reads too; hovering
+a panel says what its figure is.
 
 Pure functions over plain data, no I/O.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from html import escape
 
 from service.ui import palette
 from service.ui.marks import DETAIL_FONT, FONT
@@ -22,28 +24,35 @@ STEPS_HEIGHT = 22  # the step range under the panels
 
 @dataclass(frozen=True)
 class SavePoint:
-    """One bundle's save figures: the slowest rank's stall and persist seconds, the payload
-    it wrote per second of persist, and the new bytes all ranks uploaded."""
+    """One bundle's save figures: the slowest rank's stall, save tax and persist seconds, the
+    payload it wrote per second of persist, and the new bytes all ranks uploaded."""
 
     step: int
     stall_seconds: float
+    tax_seconds: float | None  # None: no rank knew it
     persist_seconds: float
     throughput: float  # bytes per second
     new_bytes: int
 
 
-SERIES = (
-    ("stall", "stall s"),
-    ("persist", "persist s"),
-    ("throughput", "throughput B/s"),
-    ("new_bytes", "new bytes"),
+SERIES = (  # name, label, what the figure is (the panel's tooltip)
+    ("stall", "stall s", "stall: the seconds training waited in save() and the next step"),
+    (
+        "tax",
+        "save tax s",
+        "save tax: the training loop's extra time from save() until durable, the stall "
+        "included (a bundle whose ranks did not know it is left out)",
+    ),
+    ("persist", "persist s", "persist: the seconds from the end of staging to the commit"),
+    ("throughput", "throughput B/s", "throughput: payload bytes per second of persist"),
+    ("new_bytes", "new bytes", "new bytes: what the ranks uploaded (the rest was stored)"),
 )
 
 
 def draw_saves(points: Sequence[SavePoint]) -> str:
-    """The save figures over the steps: four small panels, one ``polyline`` each, drawn from
-    its min (the panel's foot) to its max (its top), both written beside it; the step range
-    under them."""
+    """The save figures over the steps: five small panels, one ``polyline`` each (through
+    the bundles whose figure is known), drawn from its min (the panel's foot) to its max (its
+    top), both written beside it; the step range under them."""
     height = len(SERIES) * (PANEL_HEIGHT + PANEL_GAP) + STEPS_HEIGHT
     ordered = sorted(points, key=lambda p: p.step)
     low = ordered[0].step if ordered else 0
@@ -51,14 +60,16 @@ def draw_saves(points: Sequence[SavePoint]) -> str:
     span = max(1, high - low)
     inner = WIDTH - LABEL_WIDTH - RIGHT_MARGIN
     xs = [LABEL_WIDTH + (p.step - low) / span * inner for p in ordered]
-    series = {
+    series: dict[str, list[float | None]] = {
         "stall": [p.stall_seconds for p in ordered],
+        "tax": [p.tax_seconds for p in ordered],
         "persist": [p.persist_seconds for p in ordered],
         "throughput": [p.throughput for p in ordered],
         "new_bytes": [float(p.new_bytes) for p in ordered],
     }
     panels = [
-        _panel(name, label, xs, series[name], row=row) for row, (name, label) in enumerate(SERIES)
+        _panel(name, label, about, _known(xs, series[name]), row=row)
+        for row, (name, label, about) in enumerate(SERIES)
     ]
     bottom = height - 6
     steps = (
@@ -77,24 +88,28 @@ def draw_saves(points: Sequence[SavePoint]) -> str:
     )
 
 
-def _panel(name: str, label: str, xs: list[float], values: list[float], *, row: int) -> str:
+def _known(xs: list[float], values: list[float | None]) -> list[tuple[float, float]]:
+    """The (x, value) of the bundles whose figure is known."""
+    return [(x, value) for x, value in zip(xs, values, strict=True) if value is not None]
+
+
+def _panel(name: str, label: str, about: str, known: list[tuple[float, float]], *, row: int) -> str:
     top = row * (PANEL_HEIGHT + PANEL_GAP) + 8
-    low = min(values, default=0.0)
-    high = max(values, default=0.0)
+    low = min((value for _, value in known), default=0.0)
+    high = max((value for _, value in known), default=0.0)
     span = (high - low) or 1.0
     bottom, scale = top + PANEL_HEIGHT, PANEL_HEIGHT / span
-    points = " ".join(
-        f"{x:.1f},{bottom - (value - low) * scale:.1f}" for x, value in zip(xs, values, strict=True)
-    )
+    points = " ".join(f"{x:.1f},{bottom - (value - low) * scale:.1f}" for x, value in known)
     muted = f'font-size="{DETAIL_FONT}" fill="{palette.MUTED}"'
+    low_text, high_text = (_short(low), _short(high)) if known else ("—", "—")
     return (
-        f'<g class="panel" data-series="{name}" data-min="{_short(low)}" '
-        f'data-max="{_short(high)}">'
+        f'<g class="panel" data-series="{name}" data-min="{low_text}" '
+        f'data-max="{high_text}" data-points="{len(known)}"><title>{escape(about)}</title>'
         f'<text x="4" y="{top + 14}" font-size="{FONT}" fill="{palette.INK}">{label}</text>'
         f'<text class="max" x="{LABEL_WIDTH - 6}" y="{top + 10}" {muted} text-anchor="end">'
-        f"max {_short(high)}</text>"
+        f"max {high_text}</text>"
         f'<text class="min" x="{LABEL_WIDTH - 6}" y="{bottom}" {muted} text-anchor="end">'
-        f"min {_short(low)}</text>"
+        f"min {low_text}</text>"
         f'<line class="baseline" x1="{LABEL_WIDTH}" y1="{bottom}" '
         f'x2="{WIDTH - RIGHT_MARGIN}" y2="{bottom}" stroke="{palette.AXIS}"/>'
         f'<polyline class="series" data-series="{name}" points="{points}" fill="none" '

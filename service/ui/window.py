@@ -163,7 +163,8 @@ def _assemble(
 
 def save_points(session: Session, run: Run, bundles: Sequence[BundleRow]) -> list[SavePoint]:
     """The save figures of ``bundles`` (the run's), each over its ranks: the slowest rank's
-    stall and persist, the payload over the slowest persist, and the new bytes of all ranks.
+    stall, save tax (of the ranks that knew theirs; None when none did) and persist, the
+    payload over the slowest persist, and the new bytes of all ranks.
 
     Read from the index ``ix_save_run_figures`` alone: the range of the run's bundle ids from
     the oldest of ``bundles`` (the newest bundles of a run have its highest ids), the few
@@ -176,6 +177,7 @@ def save_points(session: Session, run: Run, bundles: Sequence[BundleRow]) -> lis
         select(
             Save.bundle_id,
             func.max(Save.stall_seconds),
+            func.max(Save.tax_seconds),  # NULLs left out; NULL when every rank's is
             func.max(Save.persist_seconds),
             cast(func.sum(Save.payload_bytes), Float),  # not PostgreSQL's NUMERIC
             cast(func.sum(Save.new_bytes), BigInteger),
@@ -187,11 +189,12 @@ def save_points(session: Session, run: Run, bundles: Sequence[BundleRow]) -> lis
         SavePoint(
             step=step_of[bundle_id],
             stall_seconds=stall,
+            tax_seconds=tax,
             persist_seconds=persist,
             throughput=payload / persist if persist else 0.0,
             new_bytes=new,
         )
-        for bundle_id, stall, persist, payload, new in found.all()
+        for bundle_id, stall, tax, persist, payload, new in found.all()
         if bundle_id in step_of
     ]
     return sorted(points, key=lambda point: point.step)

@@ -1,6 +1,7 @@
 """What a save costs the training loop beyond its stall (issue 32): each save reports its
-tax, its background threads run at a lower priority than training, and its extra host
-memory stays at about one staging copy of the state."""
+tax (to the control plane's catalog and metrics too), its background threads run at a lower
+priority than training, and its extra host memory stays at about one staging copy of the
+state."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from ckpt import Checkpointer
 from ckpt.core.storage import DirectoryStore
+from tests.server_process import ckpt_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,6 +65,57 @@ def test_a_save_reports_its_tax_once_the_loop_has_stepped(tmp_path: Path) -> Non
         second = pending.wait()
     assert first.tax_seconds is None
     assert second.tax_seconds is not None and second.tax_seconds >= 0.0
+
+
+def test_a_training_loops_save_reaches_the_catalog_with_its_tax(
+    tmp_path: Path, database_url: str | None
+) -> None:
+    """A real loop saving through a ``ckpt server`` process: the save made after a few steps
+    shows its tax on its bundle and in ``ckpt_save_tax_seconds``; the one made after a
+    single step shows none (null) and adds no sample."""
+    model, optimizer = job()
+    with ckpt_server(tmp_path, database_url=database_url) as server:
+        ckpt = Checkpointer(
+            run="taxed",
+            store=server.store,
+            server=server.url,
+            token=server.token,
+            models=model,
+            optimizers=optimizer,
+            handle_signals=False,
+            quiet=True,
+        )
+        with ckpt:
+            step(model, optimizer)
+            ckpt.counters.step = 1
+            first = ckpt.save().wait()
+            for _ in range(5):
+                step(model, optimizer)
+            ckpt.counters.step = 6
+            pending = ckpt.save()
+            step(model, optimizer)
+            second = pending.wait()
+        # Closed: the last save's figures went on their own (the first's with its record).
+        with server.client() as client:
+            bundles = client.get("/v1/runs/taxed/lineage").json()["bundles"]
+            saves = {
+                b["step"]: client.get(f"/v1/bundles/{b['id']}").json()["saves"] for b in bundles
+            }
+            metrics = client.get("/metrics").text
+    assert first.tax_seconds is None
+    assert second.tax_seconds is not None and second.tax_seconds >= 0.0
+    assert [s["tax_seconds"] for s in saves[1]] == [None]
+    assert [s["tax_seconds"] for s in saves[6]] == [pytest.approx(second.tax_seconds)]
+    assert [s["stall_seconds"] for s in saves[6]] == [pytest.approx(second.stall_seconds)]
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if not sample.labels
+    }
+    assert samples["ckpt_save_stall_seconds_count"] == 2
+    assert samples["ckpt_save_tax_seconds_count"] == 1
+    assert samples["ckpt_save_tax_seconds_sum"] == pytest.approx(second.tax_seconds)
 
 
 class NicenessStore(DirectoryStore):

@@ -69,6 +69,7 @@ def test_each_save_reports_its_figures_to_the_control_plane(server: Server, run_
     assert figures["new_bytes"] == second.new_bytes
     assert figures["stall_seconds"] == pytest.approx(second.stall_seconds)
     assert figures["persist_seconds"] == pytest.approx(second.persist_seconds)
+    assert (figures["tax_seconds"], second.tax_seconds) == (None, None)  # no steps: unknown
     new_total = first.new_bytes + second.new_bytes
     assert f"ckpt_save_new_bytes_total {float(new_total)}" in metrics
     assert "ckpt_save_stall_seconds_count 2.0" in metrics

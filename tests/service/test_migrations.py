@@ -361,3 +361,59 @@ def test_bundles_keep_their_layers_and_saves_and_are_at_micro_step_zero(
         layers = connection.execute(select(layer.c.bundle_id)).all()
     assert sorted(tuple(row) for row in rows) == [(10, 0), (11, 2)]
     assert [tuple(row) for row in layers] == [(10,)]
+
+
+def test_saves_reported_before_the_tax_have_none_and_keep_it_through_a_downgrade(
+    database_url: str, engine: Engine
+) -> None:
+    """The migration that adds the save tax leaves every earlier save's figures as they were,
+    without a tax; going down drops the tax and keeps the save."""
+    command.upgrade(alembic_config(database_url), "2026_12_05_0016")
+    tables = Base.metadata.tables
+    run, attempt, bundle, save = (tables[n] for n in ("run", "attempt", "bundle", "save"))
+    figures = {"stall_seconds": 0.1, "persist_seconds": 1.0, "payload_bytes": 100, "new_bytes": 10}
+    with engine.begin() as connection:
+        connection.execute(run.insert().values(id=1, name="run-1", created_at=NOW, epoch=1))
+        connection.execute(attempt.insert().values(id=1, run_id=1, epoch=1, started_at=NOW))
+        connection.execute(
+            bundle.insert().values(
+                id=10,
+                run_id=1,
+                attempt_id=1,
+                step=6,
+                world_size=2,
+                status="complete",
+                pinned=False,
+                created_at=NOW,
+                versions={},
+            )
+        )
+        connection.execute(
+            save.insert().values(bundle_id=10, run_id=1, rank=0, reported_at=NOW, **figures)
+        )
+
+    upgrade(database_url)
+
+    assert diff(engine) == []
+    with engine.begin() as connection:
+        connection.execute(
+            save.insert().values(
+                bundle_id=10, run_id=1, rank=1, reported_at=NOW, tax_seconds=0.5, **figures
+            )
+        )
+        rows = connection.execute(
+            select(save.c.rank, save.c.stall_seconds, save.c.tax_seconds).order_by(save.c.rank)
+        ).all()
+    assert [tuple(row) for row in rows] == [(0, 0.1, None), (1, 0.1, 0.5)]
+
+    command.downgrade(alembic_config(database_url), "2026_12_05_0016")
+
+    columns = {column["name"] for column in inspect(engine).get_columns("save")}
+    assert "tax_seconds" not in columns
+    indexes = {
+        index["name"]: index["column_names"] for index in inspect(engine).get_indexes("save")
+    }
+    assert "tax_seconds" not in indexes["ix_save_run_figures"]
+    with engine.connect() as connection:
+        kept = connection.execute(text("SELECT rank FROM save ORDER BY rank")).all()
+    assert [tuple(row) for row in kept] == [(0,), (1,)]

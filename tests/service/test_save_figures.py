@@ -1,5 +1,6 @@
-"""Save figures: each rank reports what its save of a bundle cost; the bundle shows them and
-``/metrics`` counts each rank's first report once."""
+"""Save figures: each rank reports what its save of a bundle cost (its stall and its save
+tax, the tax when known); the bundle shows them and ``/metrics`` counts each rank's first
+report once."""
 
 from __future__ import annotations
 
@@ -15,10 +16,18 @@ from service.models import Bundle, Save
 from tests.service.conftest import Server
 from tests.service.helpers import register, save
 
-FIGURES = {"stall_seconds": 0.25, "persist_seconds": 12.5, "payload_bytes": 4096, "new_bytes": 1024}
+FIGURES = {
+    "stall_seconds": 0.25,
+    "persist_seconds": 12.5,
+    "payload_bytes": 4096,
+    "new_bytes": 1024,
+    "tax_seconds": 0.75,
+}
 COUNTED = (
     "ckpt_save_stall_seconds_count",
     "ckpt_save_stall_seconds_sum",
+    "ckpt_save_tax_seconds_count",
+    "ckpt_save_tax_seconds_sum",
     "ckpt_save_persist_seconds_count",
     "ckpt_save_persist_seconds_sum",
     "ckpt_save_payload_bytes_total",
@@ -27,7 +36,11 @@ COUNTED = (
 
 
 def put_save(client: httpx.Client, bundle_id: int, rank: int, body: Any) -> httpx.Response:
-    return client.put(f"/v1/bundles/{bundle_id}/saves/{rank}", json=body)
+    """PUT the figures: ``body`` as JSON, or as it is when bytes (JSON's ``Infinity``)."""
+    path = f"/v1/bundles/{bundle_id}/saves/{rank}"
+    if isinstance(body, bytes):
+        return client.put(path, content=body, headers={"Content-Type": "application/json"})
+    return client.put(path, json=body)
 
 
 def counted(client: httpx.Client) -> dict[str, float]:
@@ -52,7 +65,8 @@ def test_the_bundle_shows_each_ranks_figures_by_rank(server: Server, run_name: s
     with server.client() as client:
         bundle_id = saved_bundle(client, server, run_name)
         assert client.get(f"/v1/bundles/{bundle_id}").json()["saves"] == []
-        one = {**FIGURES, "stall_seconds": 1.5, "new_bytes": 0}
+        # Rank 1 did not know its tax: it sends none (an older agent) or null.
+        one = {k: v for k, v in FIGURES.items() if k != "tax_seconds"} | {"stall_seconds": 1.5}
         answers = [put_save(client, bundle_id, 1, one), put_save(client, bundle_id, 0, FIGURES)]
         bundle = client.get(f"/v1/bundles/{bundle_id}").json()
     for answer in answers:
@@ -60,13 +74,19 @@ def test_the_bundle_shows_each_ranks_figures_by_rank(server: Server, run_name: s
     assert bundle["saves"] == [answers[1].json(), answers[0].json()]
     assert [{**s, "reported_at": None} for s in bundle["saves"]] == [
         {"rank": 0, **FIGURES, "reported_at": None},
-        {"rank": 1, **one, "reported_at": None},
+        {"rank": 1, **one, "tax_seconds": None, "reported_at": None},
     ]
     assert datetime.fromisoformat(bundle["saves"][0]["reported_at"]).utcoffset() is not None
 
 
 def test_a_second_report_replaces_the_first_and_counts_once(server: Server, run_name: str) -> None:
-    again = {"stall_seconds": 3.0, "persist_seconds": 4.0, "payload_bytes": 8192, "new_bytes": 8}
+    again = {
+        "stall_seconds": 3.0,
+        "persist_seconds": 4.0,
+        "payload_bytes": 8192,
+        "new_bytes": 8,
+        "tax_seconds": 5.5,
+    }
     with server.client() as client:
         bundle_id = saved_bundle(client, server, run_name)
         assert set(counted(client).values()) == {0}
@@ -83,6 +103,8 @@ def test_a_second_report_replaces_the_first_and_counts_once(server: Server, run_
     assert after_replace == {
         "ckpt_save_stall_seconds_count": 1,
         "ckpt_save_stall_seconds_sum": 0.25,
+        "ckpt_save_tax_seconds_count": 1,
+        "ckpt_save_tax_seconds_sum": 0.75,
         "ckpt_save_persist_seconds_count": 1,
         "ckpt_save_persist_seconds_sum": 12.5,
         "ckpt_save_payload_bytes_total": 4096,
@@ -91,11 +113,48 @@ def test_a_second_report_replaces_the_first_and_counts_once(server: Server, run_
     assert after_other == {
         "ckpt_save_stall_seconds_count": 2,
         "ckpt_save_stall_seconds_sum": 3.25,
+        "ckpt_save_tax_seconds_count": 2,
+        "ckpt_save_tax_seconds_sum": 6.25,
         "ckpt_save_persist_seconds_count": 2,
         "ckpt_save_persist_seconds_sum": 16.5,
         "ckpt_save_payload_bytes_total": 4096 + 8192,
         "ckpt_save_new_bytes_total": 1024 + 8,
     }
+
+
+def test_a_tax_the_rank_did_not_know_is_stored_as_none_and_not_counted(
+    server: Server, run_name: str
+) -> None:
+    """Unknown is not a tax of 0: it adds no sample to ``ckpt_save_tax_seconds``; a report
+    again with the tax known replaces it (and counts nothing more)."""
+    unknown = {**FIGURES, "tax_seconds": None}
+    with server.client() as client:
+        bundle_id = saved_bundle(client, server, run_name)
+        first = put_save(client, bundle_id, 0, unknown)
+        after_unknown = counted(client)
+        known = put_save(client, bundle_id, 0, FIGURES)
+        after_known = counted(client)
+    assert first.status_code == 200, first.text
+    assert first.json()["tax_seconds"] is None
+    assert known.json()["tax_seconds"] == 0.75
+    assert after_unknown["ckpt_save_stall_seconds_count"] == 1
+    assert after_unknown["ckpt_save_tax_seconds_count"] == 0
+    assert after_unknown["ckpt_save_tax_seconds_sum"] == 0
+    assert after_known == after_unknown  # a replace counts nothing
+
+
+def test_the_tax_falls_in_the_histograms_buckets(server: Server, run_name: str) -> None:
+    with server.client() as client:
+        bundle_id = saved_bundle(client, server, run_name)
+        put_save(client, bundle_id, 0, {**FIGURES, "tax_seconds": 3.0}).raise_for_status()
+        text = client.get("/metrics").text
+    buckets = {
+        sample.labels["le"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "ckpt_save_tax_seconds_bucket"
+    }
+    assert (buckets["2.5"], buckets["5.0"], buckets["+Inf"]) == (0, 1, 1)
 
 
 def test_a_fenced_attempt_still_reports_its_figures(server: Server, run_name: str) -> None:
@@ -116,6 +175,11 @@ def test_an_unknown_bundle_is_not_found(server: Server) -> None:
     assert set(metrics.values()) == {0}
 
 
+# The rest of FIGURES, after a tax_seconds written by hand (JSON's Infinity and NaN).
+FIGURES_TAIL = (
+    b', "stall_seconds": 0.25, "persist_seconds": 12.5, "payload_bytes": 4096, "new_bytes": 1}'
+)
+TAX = "body.tax_seconds: Input should be"
 BAD: dict[str, tuple[int, Any, str]] = {  # rank, body, a word the message must name
     "rank_beyond_the_world": (2, FIGURES, "ranks are 0 to 1"),
     "rank_negative": (-1, FIGURES, "path.rank"),
@@ -123,6 +187,12 @@ BAD: dict[str, tuple[int, Any, str]] = {  # rank, body, a word the message must 
     "stall_negative": (0, {**FIGURES, "stall_seconds": -0.5}, "body.stall_seconds"),
     "persist_negative": (0, {**FIGURES, "persist_seconds": -1}, "body.persist_seconds"),
     "stall_a_word": (0, {**FIGURES, "stall_seconds": "fast"}, "body.stall_seconds"),
+    # The tax's own words (not "Extra inputs are not permitted": the field is known).
+    "tax_negative": (0, {**FIGURES, "tax_seconds": -0.5}, f"{TAX} greater than or equal to 0"),
+    "tax_a_word": (0, {**FIGURES, "tax_seconds": "slow"}, f"{TAX} a valid number"),
+    "tax_infinite": (0, b'{"tax_seconds": Infinity' + FIGURES_TAIL, f"{TAX} a finite number"),
+    "tax_not_a_number": (0, b'{"tax_seconds": NaN' + FIGURES_TAIL, f"{TAX} a finite number"),
+    "tax_beyond_a_billion": (0, {**FIGURES, "tax_seconds": 2e9}, f"{TAX} less than or equal"),
     "bytes_negative": (0, {**FIGURES, "new_bytes": -1}, "body.new_bytes"),
     "bytes_fractional": (0, {**FIGURES, "payload_bytes": 1.5}, "body.payload_bytes"),
     "bytes_beyond_64_bits": (0, {**FIGURES, "payload_bytes": 2**64}, "body.payload_bytes"),

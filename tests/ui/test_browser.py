@@ -313,7 +313,7 @@ def test_the_run_page_tables_the_attempts_the_save_figures_and_the_summary(
             exact = "" if attempt["steps_lost_exact"] else "≥ "  # lost: a lower bound
             assert cell(page, row, "steps_lost") == f"{exact}{attempt['steps_lost']}"
     series = _attributes(page, "svg#saves polyline.series", "series")
-    assert sorted(s["series"] for s in series) == ["new_bytes", "persist", "stall", "throughput"]
+    assert [s["series"] for s in series] == ["stall", "tax", "persist", "throughput", "new_bytes"]
     for polyline in page.locator("svg#saves polyline.series").all():
         assert (polyline.get_attribute("points") or "").strip()
     summary = "#summary"

@@ -146,15 +146,40 @@ def test_a_band_after_a_rollback_says_how_far_back_its_successor_resumed() -> No
     assert "attempt 4; its successor resumed 20 steps further back</title>" in svg
 
 
+def point(step: int, *, stall: float, tax: float | None, persist: float, rate: float) -> SavePoint:
+    return SavePoint(
+        step=step,
+        stall_seconds=stall,
+        tax_seconds=tax,
+        persist_seconds=persist,
+        throughput=rate,
+        new_bytes=step % 7,
+    )
+
+
 def test_the_save_figures_show_their_range_and_steps() -> None:
     points = [
-        SavePoint(step=10, stall_seconds=0.25, persist_seconds=2.0, throughput=3e6, new_bytes=5),
-        SavePoint(step=90, stall_seconds=0.5, persist_seconds=1.0, throughput=1e6, new_bytes=7),
+        point(10, stall=0.25, tax=None, persist=2.0, rate=3e6),
+        point(50, stall=0.3, tax=1.75, persist=1.5, rate=2e6),
+        point(90, stall=0.5, tax=0.75, persist=1.0, rate=1e6),
     ]
     svg = draw_saves(points)
-    assert 'data-series="stall" data-min="0.25" data-max="0.5"' in svg
+    assert 'data-series="stall" data-min="0.25" data-max="0.5" data-points="3"' in svg
+    # The tax through the bundles that know it only, beside the stall, with its meaning.
+    assert 'data-series="tax" data-min="0.75" data-max="1.75" data-points="2"' in svg
+    assert svg.index('data-series="stall"') < svg.index('data-series="tax"')
+    assert ">save tax s</text>" in svg
+    assert "<title>save tax: the training loop&#x27;s extra time from save() until durable" in svg
+    tax_line = re.search(r'<polyline class="series" data-series="tax" points="([^"]*)"', svg)
+    assert tax_line and len(tax_line[1].split()) == 2
     assert ">min 1M</text>" in svg and ">max 3M</text>" in svg
     assert ">step 10</text>" in svg and ">step 90</text>" in svg
+
+
+def test_a_tax_no_rank_knew_draws_an_empty_panel() -> None:
+    svg = draw_saves([point(10, stall=0.25, tax=None, persist=2.0, rate=3e6)])
+    assert 'data-series="tax" data-min="—" data-max="—" data-points="0"' in svg
+    assert '<polyline class="series" data-series="tax" points=""' in svg
 
 
 def test_the_docs_legend_is_the_dashboards() -> None:

@@ -310,7 +310,7 @@ def test_the_pages_show_the_lineage_the_api_reports(server: Server, run_name: st
     edges = re.findall(r'class="resume-edge" data-from="bundle-(\d+)" data-to-epoch="(\d+)"', page)
     assert (str(ids["30"]), "6") in edges
     assert len(re.findall(r'<tr data-epoch="\d+"', page)) == 5
-    assert page.count('class="series"') == 4
+    assert page.count('class="series"') == 5  # stall, tax, persist, throughput, new bytes
 
 
 def test_steps_lost_to_a_lost_attempt_show_as_at_least(server: Server, run_name: str) -> None:

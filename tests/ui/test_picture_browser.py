@@ -69,6 +69,7 @@ def make_catalog(server: ServerProcess, client: httpx.Client) -> Catalog:
         ids[label] = save(client, store, RUN, attempt, step=step)["id"]
         figures = {
             "stall_seconds": 0.05 + step / 1000,
+            "tax_seconds": 0.2 + step / 500,
             "persist_seconds": 0.5 + (step % 30) / 20,
             "payload_bytes": 6 << 20,
             "new_bytes": (step % 40 + 1) << 16,
@@ -270,7 +271,7 @@ def test_the_picture_is_legible_at_a_glance(open_page: OpenPage, catalog: Catalo
         assert palette.contrast(colour, palette.BACKGROUND) >= 4.5, colour
     # The save figures carry their values' range and the steps they span.
     panels = page.locator("svg#saves g.panel")
-    assert panels.count() == 4
+    assert panels.count() == 5  # stall, save tax, persist, throughput, new bytes
     for text in panels.all_text_contents():
         assert "max " in text and "min " in text, text
     steps = page.locator("svg#saves g.steps").all_text_contents()
