@@ -39,7 +39,7 @@ from service.errors import (
 from service.events.endpoints import router as events_router
 from service.gc.endpoints import router as gc_router
 from service.health import router as health_router
-from service.limits import Limits, token_limits
+from service.limits import BulkTurns, Limits, token_limits
 from service.logsafe import protect
 from service.metrics import Metrics, process_exited
 from service.periodic import Periodic, periodic_tasks, run_once
@@ -84,6 +84,10 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     serve_docs(app)  # /docs: Swagger UI, from the package
     install_dashboard(app)  # /ui/: the lineage dashboard, and / redirecting there
     _handle_errors(app)
+    if settings.bulk_concurrency:  # innermost: a request's latency counts its wait
+        app.add_middleware(
+            BulkTurns, concurrency=settings.bulk_concurrency, metrics=context.metrics
+        )
     app.add_middleware(_CountRequests, metrics=context.metrics)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
     # Outermost: a request over its token's limits is refused before its body is read.
@@ -93,10 +97,10 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
 
 def from_environment() -> FastAPI:
     """The app of one of several server processes (``CKPT_WORKERS``): uvicorn's factory."""
-    from service.health import steady_collector
+    from service.health import steady_process
 
     app = create_app(Settings.from_env())
-    steady_collector()  # after the app is built: see its docstring
+    steady_process()  # after the app is built: see its docstring
     return app
 
 

@@ -11,6 +11,10 @@ the server from the others (nor from its probes).
 - **Bulk requests in flight**: at most ``CKPT_MAX_BULK_IN_FLIGHT`` (by weight) in the
   process, whatever their tokens, so that the priority class (``/resumable``, heartbeats,
   commits) always finds worker threads and cores free. Beyond: the same 429.
+- **Bulk requests running**: of those admitted, ``CKPT_BULK_CONCURRENCY`` (1) run at once;
+  the others wait their turn here, on the event loop. A bulk request that runs holds the
+  GIL in slices and a core; two or more running at once leave the priority class's
+  threads waiting for both at every query they make.
 - **Blob queries**: a ``/v1/blobs/missing`` body of more than ``MAX_BLOBS_QUERY_BYTES`` is
   refused (413) before it is parsed; the schema then caps the list at 10,000 blobs.
 
@@ -269,6 +273,31 @@ class Limits:
         if head.method == "POST" and head.path == BLOBS_QUERY:
             receive = await _capped_body(receive, head.body_bytes, cap=MAX_BLOBS_QUERY_BYTES)
         return receive, self.limits.admit_ticket(key, head, now=now)
+
+
+class BulkTurns:
+    """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
+    their turn on the event loop. Inside the body limit, which has read the body: a client
+    that sends its body slowly waits for it without holding a turn."""
+
+    def __init__(self, app: ASGIApp, *, concurrency: int, metrics: Metrics) -> None:
+        self.app = app
+        self.turns = asyncio.Semaphore(concurrency)
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or Head.of(scope).route_class is not RouteClass.BULK:
+            await self.app(scope, receive, send)
+            return
+        self.metrics.bulk_waiting.inc()
+        try:
+            await self.turns.acquire()
+        finally:
+            self.metrics.bulk_waiting.dec()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.turns.release()
 
 
 def _limited(scope: Scope) -> bytes | None:

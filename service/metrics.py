@@ -61,6 +61,12 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        self.bulk_waiting = Gauge(
+            "ckpt_bulk_waiting",
+            "bulk requests admitted and waiting their turn (CKPT_BULK_CONCURRENCY run at once)",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.refused = Counter(
             "ckpt_requests_refused",
             "requests the limits refused before reading them, by error and route class",

@@ -72,6 +72,10 @@ class Settings:
             bodies..., by weight) the process serves at once, all tokens together, so that
             ``/resumable``, heartbeats and commits keep worker threads and cores
             (``CKPT_MAX_BULK_IN_FLIGHT``, default 16, 0 turns it off). Per replica.
+        bulk_concurrency: how many of the admitted bulk requests run at once in the
+            process; the others wait their turn on the event loop, holding no worker thread
+            and no share of the CPU or of the GIL, which the priority class then finds
+            free (``CKPT_BULK_CONCURRENCY``, default 1, 0: all at once). Per replica.
         priority_threads: worker threads of the process kept for the priority class
             (``/resumable``, heartbeats, registering an attempt), which no other request
             takes: they are served while every other thread waits on bulk work
@@ -107,6 +111,7 @@ class Settings:
     rate_limit_burst: int = 5000
     max_expensive_per_token: int = 8
     max_bulk_in_flight: int = 16
+    bulk_concurrency: int = 1
     priority_threads: int = 8
     gc_batch_bundles: int = 1000
     fingerprint_ring: int = 2048
@@ -181,6 +186,10 @@ class Settings:
         if self.max_bulk_in_flight < 0:
             raise ValueError(
                 f"max_bulk_in_flight must be >= 0 (0: no cap), got {self.max_bulk_in_flight}"
+            )
+        if self.bulk_concurrency < 0:
+            raise ValueError(
+                f"bulk_concurrency must be >= 0 (0: no gate), got {self.bulk_concurrency}"
             )
         if self.priority_threads < 1:
             raise ValueError(

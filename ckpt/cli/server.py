@@ -168,14 +168,14 @@ def _server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app
-    from service.health import steady_collector
+    from service.health import steady_process
 
     current = settings(host=args.host, port=args.port, workers=args.workers)
     port_free(current.host, current.port)  # before the catalog, the store or a token is made
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     app = create_app(current)
-    steady_collector()  # after the app is built: see its docstring
+    steady_process()  # after the app is built: see its docstring
     print(f"ckpt control plane {__version__} on http://{current.host}:{current.port}", flush=True)
     print(f"  catalog: {redact(current.database_url)}", flush=True)
     print(f"  store:   {app.state.context.store.url}", flush=True)

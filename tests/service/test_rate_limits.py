@@ -191,7 +191,8 @@ def blocked_lineage(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int],
 def test_too_many_expensive_requests_in_flight_get_429_at_once(
     backend: str, make_server: MakeServer, run_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = make_server(backend, max_expensive_per_token=2)
+    # Bulk requests all at once (no turns): the two admitted both reach the blocked lineage.
+    server = make_server(backend, max_expensive_per_token=2, bulk_concurrency=0)
     token = read_token(server)
     with server.client() as admin:
         admin.post("/v1/runs", json={"name": run_name}).raise_for_status()
@@ -219,8 +220,9 @@ def test_healthz_answers_while_every_worker_thread_is_busy(
     backend: str, make_server: MakeServer, run_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before: a sync /healthz waited for a free worker thread, behind the flood."""
-    # No budget of bulk requests: with one, the flood could not take every thread.
-    server = make_server(backend, max_bulk_in_flight=0)
+    # No budget of bulk requests and no turns: with either, the flood could not take every
+    # thread.
+    server = make_server(backend, max_bulk_in_flight=0, bulk_concurrency=0)
     tokens = [read_token(server, f"reader-{i}") for i in range(WORKER_THREADS)]
     with server.client() as admin:
         admin.post("/v1/runs", json={"name": run_name}).raise_for_status()
