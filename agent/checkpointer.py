@@ -309,6 +309,7 @@ class Checkpointer:
         )
         try:
             self._schedule.saved(position)
+            self._verifier.saved(position)
             stall = time.perf_counter() - started
             pending = self._persister.submit(
                 states, staged, step=step, stall=stall, position=position

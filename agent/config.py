@@ -51,6 +51,7 @@ ENV = {
     "from_step": "CKPT_FROM_STEP",
     "verify": "CKPT_VERIFY",
     "verify_stop": "CKPT_VERIFY_STOP",
+    "verify_every_steps": "CKPT_VERIFY_EVERY_STEPS",
 }
 
 
@@ -89,6 +90,7 @@ class Keywords(TypedDict, total=False):
     metadata_url: str | None
     verify: str | None
     verify_stop: bool | None
+    verify_every_steps: int | None
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ class Config:
             (no fingerprints; see ``agent.verify``).
         verify_stop: raise ``ResumeDivergedError`` when a resume diverges, instead of a
             warning (``CKPT_VERIFY_STOP``, default false).
+        verify_every_steps: fingerprint (the loss and the parameters' sample) the positions
+            of every this-many-th optimizer step and of the first two steps after each save
+            and resume, which both attempts pick alike (``CKPT_VERIFY_EVERY_STEPS``, default
+            32; 1: every step; see ``agent.verify.cadence``).
     """
 
     run: str
@@ -186,6 +192,7 @@ class Config:
     from_step: int | None = None
     verify: str = "exact"
     verify_stop: bool = False
+    verify_every_steps: int = 32
 
     def __post_init__(self) -> None:
         check_run_name(self.run)
@@ -199,6 +206,11 @@ class Config:
             )
         if self.every_steps is not None and self.every_steps < 1:
             raise ValueError(f"every_steps must be at least 1, got {self.every_steps}")
+        if self.verify_every_steps < 1:
+            raise ValueError(
+                "verify_every_steps (CKPT_VERIFY_EVERY_STEPS) must be at least 1 (every "
+                f"optimizer step), got {self.verify_every_steps}"
+            )
         if self.every_seconds is not None and not (
             self.every_seconds > 0 and math.isfinite(self.every_seconds)
         ):
@@ -287,7 +299,13 @@ class Config:
 
 def _parse(name: str, variable: str, text: str) -> object:
     try:
-        if name in ("every_steps", "blob_bytes", "from_step", "staging_bytes"):
+        if name in (
+            "every_steps",
+            "blob_bytes",
+            "from_step",
+            "staging_bytes",
+            "verify_every_steps",
+        ):
             return int(text)
         if name in (
             "auto_min_seconds",

@@ -30,9 +30,15 @@ class Ranks:
 
 
 def run_ranks(
-    world: int, store: Path | str, out: Path, *args: str, env: dict[str, str] | None = None
+    world: int,
+    store: Path | str,
+    out: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    module: str = "agent.demo.ranks",
 ) -> Ranks:
-    """Start ``world`` ranks of the job and wait for all of them (at most 5 minutes)."""
+    """Start ``world`` ranks of the job (the demo's, or ``module``) and wait for all of them
+    (at most 5 minutes)."""
     port = str(free_port())
     processes = []
     for rank in range(world):
@@ -47,7 +53,7 @@ def run_ranks(
             "MASTER_PORT": port,
             "OMP_NUM_THREADS": "1",
         }
-        command = [sys.executable, "-m", "agent.demo.ranks", "--store", str(store)]
+        command = [sys.executable, "-m", module, "--store", str(store)]
         processes.append(
             subprocess.Popen(
                 [*command, "--out", str(out), *args],

@@ -8,6 +8,7 @@ fingerprints (``compare``); the ranks' answers reduce to the attempt's one verdi
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +19,8 @@ MAX_PARTS = 8
 _PART_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 MAX_PART_CHARS = 128
 MAX_DETAIL_CHARS = 500
+
+PARAMS = "params"  # the part that digests the parameters' sample (``agent.verify.digest``)
 
 Place = tuple[int, int]  # (step, micro step): positions order as tuples
 
@@ -123,10 +126,12 @@ class RankComparison:
     """One rank's comparison of the positions it replayed."""
 
     rank: int
-    compared: frozenset[Place]
+    compared: frozenset[Place]  # positions where both attempts kept a part: the loss, a sample
     first_replayed: Place | None  # the first position after the resume the dead attempt kept
+    sampled: frozenset[Place] = frozenset()  # those of them compared by the parameters' sample
     difference: Difference | None = None
     loss_differs: bool = False  # at the first difference
+    loss_compared: bool = True  # there: both sides reported a loss
     max_relative_difference: float | None = None
 
 
@@ -138,6 +143,7 @@ class Verification:
     mode: str
     steps_compared: int
     from_attempt_id: int | None = None
+    steps_sampled: int = 0  # of those compared, with the parameters' sample (said in ``detail``)
     first_difference: Difference | None = None
     max_relative_difference: float | None = None
     detail: str = ""
@@ -167,40 +173,50 @@ class Verification:
             exactly = "bit for bit" if self.mode == "exact" else "within the tolerance"
             largest = self.max_relative_difference
             spread = "" if largest is None else f", largest relative difference {largest:.3g}"
-            return f"verified {exactly} over {self.steps_compared} replayed steps{spread}"
+            said = f": {self.detail}" if self.detail else ""
+            return f"verified {exactly} over {self.steps_compared} replayed steps{spread}{said}"
         return f"unverifiable: {self.detail}"
 
 
 def compare(
     expected: Iterable[Fingerprint], got: Mapping[Place, Fingerprint], *, rank: int, mode: Mode
 ) -> RankComparison:
-    """Compare each expected fingerprint with the replay's at its position (those replayed)."""
+    """Compare each expected fingerprint with the replay's at its position: the parts both
+    kept there (a position where they share none compares nothing)."""
     ordered = sorted(expected, key=lambda print_: print_.place)
+    first = ordered[0].place if ordered else None
     compared: set[Place] = set()
+    sampled: set[Place] = set()
     largest: float | None = None if mode.tolerance is None else 0.0
     for before in ordered:
         now = got.get(before.place)
         if now is None:
             continue
+        old, new = _values(before), _values(now)
+        shared = [name for name in old if name in new]
+        if not shared:
+            continue
         compared.add(before.place)
-        differing, relative = _differences(_values(before), _values(now), mode)
+        if PARAMS in shared:
+            sampled.add(before.place)
+        differing, relative = _differences(shared, old, new, mode)
         if relative is not None and largest is not None:
             largest = max(largest, relative)
         if differing:
             part = differing[0]
-            difference = Difference(
-                *before.place, rank, part, _values(before)[part], _values(now)[part]
-            )
             return RankComparison(
                 rank,
                 frozenset(compared),
-                ordered[0].place,
-                difference,
+                first,
+                frozenset(sampled),
+                Difference(*before.place, rank, part, old[part], new[part]),
                 loss_differs="loss" in differing,
+                loss_compared="loss" in shared,
                 max_relative_difference=largest,
             )
-    first = ordered[0].place if ordered else None
-    return RankComparison(rank, frozenset(compared), first, max_relative_difference=largest)
+    return RankComparison(
+        rank, frozenset(compared), first, frozenset(sampled), max_relative_difference=largest
+    )
 
 
 def reduce(
@@ -209,38 +225,59 @@ def reduce(
     """Every rank's comparison into the attempt's verdict: diverged where any rank differs
     (the first position, then the lowest rank), unverifiable where none compared anything."""
     compared = set().union(*(each.compared for each in comparisons))
+    sampled = set().union(*(each.sampled for each in comparisons))
     spreads = [
         c.max_relative_difference for c in comparisons if c.max_relative_difference is not None
     ]
-    common = {
-        "mode": mode.name,
-        "steps_compared": len(compared),
-        "from_attempt_id": from_attempt_id,
-        "max_relative_difference": max(spreads) if spreads and compared else None,
-    }
+    verification = functools.partial(
+        Verification,
+        mode=mode.name,
+        steps_compared=len(compared),
+        from_attempt_id=from_attempt_id,
+        steps_sampled=len(sampled),
+        max_relative_difference=max(spreads) if spreads and compared else None,
+    )
+    firsts = [each.first_replayed for each in comparisons if each.first_replayed is not None]
     diverged = [each for each in comparisons if each.difference is not None]
     if diverged:
         worst = min(diverged, key=lambda each: (_place(each.difference), each.rank))
-        assert worst.difference is not None
-        firsts = [each.first_replayed for each in comparisons if each.first_replayed is not None]
         at_first = _place(worst.difference) == min(firsts)
-        return Verification(
+        return verification(
             Verdict.DIVERGED,
             first_difference=worst.difference,
             detail=likely_layer(worst, at_first=at_first),
-            **common,  # type: ignore[arg-type]
         )
     if not compared:
-        detail = (
+        return verification(Verdict.UNVERIFIABLE, detail=_nothing_compared(kept=bool(firsts)))
+    return verification(
+        Verdict.VERIFIED,
+        detail=f"{len(sampled)} of the {len(compared)} compared positions carried the "
+        "parameters' sample",
+    )
+
+
+def _nothing_compared(*, kept: bool) -> str:
+    """Why an unverifiable verdict compared nothing: the interrupted attempt kept nothing
+    after the bundle (``kept`` false), or nothing this attempt replayed alike."""
+    if not kept:
+        return (
             "no replayed step to compare: the interrupted attempt kept no fingerprint after "
             "the bundle this attempt resumed from (it died right after that save)"
         )
-        return Verification(Verdict.UNVERIFIABLE, detail=detail, **common)  # type: ignore[arg-type]
-    return Verification(Verdict.VERIFIED, **common)  # type: ignore[arg-type]
+    return (
+        "no replayed position carried a part both attempts kept (a loss, or the parameters' "
+        "sample, at the same position): do both report the loss alike, with the same "
+        "verify_every_steps (CKPT_VERIFY_EVERY_STEPS)?"
+    )
 
 
 def likely_layer(comparison: RankComparison, *, at_first: bool) -> str:
     """A sentence naming the layer a divergence most likely comes from."""
+    if not comparison.loss_compared:
+        return (
+            "the parameters differ where no loss was reported: the data, rng or optimizer "
+            "layer (report the loss with step_done(loss) to tell them apart)"
+        )
     if not comparison.loss_differs:
         return (
             "the loss matches but the parameters differ: likely the optimizer layer (its "
@@ -270,11 +307,10 @@ def _values(print_: Fingerprint) -> dict[str, str]:
 
 
 def _differences(
-    before: Mapping[str, str], now: Mapping[str, str], mode: Mode
+    shared: Sequence[str], before: Mapping[str, str], now: Mapping[str, str], mode: Mode
 ) -> tuple[list[str], float | None]:
-    """The names of the parts that differ (those both sides have), and in tolerance mode
-    the largest relative difference of the numeric ones."""
-    shared = [name for name in before if name in now]
+    """The names of the ``shared`` parts that differ, and in tolerance mode the largest
+    relative difference of the numeric ones."""
     if mode.tolerance is None:
         return [name for name in shared if before[name] != now[name]], None
     largest, differing = 0.0, []

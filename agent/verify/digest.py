@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from agent.verify.compare import PARAMS
+
 ELEMENTS = 512  # sampled in all
 MAX_TENSORS = 32  # parameters sampled, evenly spaced among the trained ones
 
@@ -60,7 +62,7 @@ def digest(sample: torch.Tensor) -> dict[str, str]:
     ``float.hex`` (for the tolerance mode)."""
     values = sample.detach().to("cpu", torch.float64).contiguous()  # exact for every float
     hashed = hashlib.blake2b(values.numpy().tobytes(), digest_size=16).hexdigest()
-    return {"params": hashed, "params_norm": float(values.norm()).hex()}
+    return {PARAMS: hashed, "params_norm": float(values.norm()).hex()}
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

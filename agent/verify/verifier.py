@@ -1,10 +1,12 @@
-"""Fingerprint every step; after a resume, compare the replayed steps with the dead attempt's.
+"""Fingerprint the steps; after a resume, compare the replayed steps with the dead attempt's.
 
-The loop tells the verifier where it is (``Checkpointer.maybe_save``, ``step_done``); an
-optimizer step since the last position makes that position's fingerprint sample the
-parameters. After a resume the ranks agree on the end of the replay window (the newest
-position any rank's predecessor kept); at the first ``maybe_save`` there, or at ``end()``
-before it, the ranks gather their comparisons once and rank 0 reports the verdict.
+The loop tells the verifier where it is (``Checkpointer.maybe_save``, ``step_done``). At the
+positions both attempts pick alike (``cadence``: those of every ``verify_every_steps``-th
+step and of the first steps after each save and resume) it keeps the loss the loop
+reports, and after an optimizer step the parameters' sample. After a resume the ranks
+agree on the end of the replay window (the newest position any rank's predecessor kept);
+at the first ``maybe_save`` there, or at ``end()`` before it, the ranks gather their
+comparisons once and rank 0 reports the verdict.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from agent.ranks.base import MEET_SECONDS, Ranks
 from agent.save.policy import Position
 from agent.state.objects import TrainingObjects
 from agent.summary import announce
+from agent.verify.cadence import fingerprinted
 from agent.verify.compare import (
     Fingerprint,
     Mode,
@@ -48,6 +51,7 @@ class Verifier:
         *,
         run: str,
         mode: Mode | None,
+        every_steps: int,
         stop: bool,
         models: Mapping[str, nn.Module],
         optimizers: Iterable[torch.optim.Optimizer],
@@ -57,7 +61,7 @@ class Verifier:
         quiet: bool,
     ) -> None:
         self._run, self._mode, self._stop, self._ranks, self._quiet = run, mode, stop, ranks, quiet
-        self._durable = durable
+        self._durable, self._every = durable, every_steps
         self.ring = Ring()
         self._keeper = keeper(self.ring) if mode is not None else None
         self._sample = ParamSample(models if mode is not None else {})
@@ -66,6 +70,8 @@ class Verifier:
         self._by_step = not optimizers  # without optimizers: a new step is a new state
         self._pending_step = False
         self._last_step: int | None = None
+        self._anchor: int | None = None  # the step of this attempt's last save or resume
+        self._idle: int | None = None  # a step found not fingerprinted (until a save)
         self._dropped: Position | None = None  # the durable position the ring forgot up to
         self._expected: list[Fingerprint] = []  # the dead attempt's fingerprints this rank replays
         self._window_end: Place | None = None  # the ranks' newest such position
@@ -76,19 +82,29 @@ class Verifier:
         self._pending_step = True
 
     def record(self, position: Position, *, loss: torch.Tensor | float | None = None) -> None:
-        """Fingerprint ``position``: the loss, if given, and the parameters' sample when an
-        optimizer stepped since the last position."""
+        """Fingerprint ``position`` where its step is fingerprinted (``cadence``): the loss,
+        if given, and the parameters' sample when an optimizer stepped since the last
+        position. Runs once or twice per micro-batch: the common case returns at once."""
+        step = position.step
+        if step == self._idle and not self._pending_step:
+            return  # a step already found not fingerprinted
         if self._mode is None:
             return
-        if self._pending_step or (self._by_step and position.step != self._last_step):
-            self._pending_step, self._last_step = False, position.step
-            self._forget_durable()
-            sample = self._sample.take()
-        elif loss is None:
-            return  # nothing to keep: the common case of maybe_save between optimizer steps
-        else:
-            sample = None
-        self.ring.record((position.step, position.micro_step), sample=sample, loss=loss)
+        stepped = self._pending_step or (self._by_step and step != self._last_step)
+        if stepped:
+            self._pending_step, self._last_step = False, step
+        if not fingerprinted(step, every=self._every, anchor=self._anchor):
+            self._idle = step
+            return
+        self._forget_durable()
+        sample = self._sample.take() if stepped else None
+        if sample is not None or loss is not None:
+            self.ring.record((step, position.micro_step), sample=sample, loss=loss)
+
+    def saved(self, position: Position) -> None:
+        """This attempt saves at ``position`` (every rank): the steps after it are
+        fingerprinted, as the attempt that resumes from it fingerprints them."""
+        self._anchor, self._idle = position.step, None
 
     def _forget_durable(self) -> None:
         """Drop the positions up to the newest durable bundle (no resume goes before it)."""
@@ -118,6 +134,7 @@ class Verifier:
             return
         self.ring.clear()
         self._pending_step, self._last_step = False, position.step
+        self.saved(position)  # fingerprinted after it, as the interrupted attempt did
         place = (position.step, position.micro_step)
         try:
             self._from_attempt, self._expected = self._keeper.replay(place)
@@ -199,13 +216,15 @@ def open_verifier(
     store: ObjectStore,
     durable: Callable[[], Position | None],
 ) -> Verifier:
-    """The verifier ``config.verify`` asks for, keeping fingerprints where the catalog is."""
+    """The verifier ``config.verify`` asks for, keeping fingerprints where the catalog is
+    (``durable``: the newest durable bundle's position)."""
     keeper = open_keeper(
         catalog, store=store, run=config.run, rank=ranks.rank, seconds=config.heartbeat_seconds
     )
     return Verifier(
         run=config.run,
         mode=Mode.parse(config.verify),
+        every_steps=config.verify_every_steps,
         stop=config.verify_stop,
         models=objects.models,
         optimizers=objects.optimizers.values(),

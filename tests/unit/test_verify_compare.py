@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.verify.compare import Fingerprint, Mode, Verdict, compare, reduce
+from agent.verify.compare import Fingerprint, Mode, Verdict, Verification, compare, reduce
 
 EXACT = Mode()
 
@@ -16,7 +16,9 @@ def prints(*losses: float, params: str = "aa", start: int = 10) -> list[Fingerpr
     ]
 
 
-def verdict(expected: list[Fingerprint], got: list[Fingerprint], mode: Mode = EXACT):  # type: ignore[no-untyped-def]
+def verdict(
+    expected: list[Fingerprint], got: list[Fingerprint], mode: Mode = EXACT
+) -> Verification:
     mine = compare(expected, {each.place: each for each in got}, rank=0, mode=mode)
     return reduce([mine], mode=mode, from_attempt_id=7)
 
@@ -28,7 +30,52 @@ def test_equal_replayed_steps_are_verified_and_only_replayed_ones_count() -> Non
         2,
         7,
     )
-    assert str(result) == "verified bit for bit over 2 replayed steps"
+    assert str(result) == (
+        "verified bit for bit over 2 replayed steps: 2 of the 2 compared positions carried "
+        "the parameters' sample"
+    )
+
+
+def test_only_the_parts_both_sides_kept_are_compared_and_only_such_positions_count() -> None:
+    # 10: the loss on one side, the sample on the other; 11: both on both; 12: the loss.
+    expected = [
+        Fingerprint(10, 0, 2.5),
+        *prints(2.4, start=11),
+        Fingerprint(12, 0, 2.3),
+    ]
+    got = [
+        *prints(9.9, params="aa", start=10)[:1],
+        *prints(2.4, start=11),
+        Fingerprint(12, 0, 2.3, {"params": "zz", "params_norm": (3.0).hex()}),
+    ]
+    got[0] = Fingerprint(10, 0, None, got[0].parts)
+    result = verdict(expected, got)
+    assert (result.verdict, result.steps_compared, result.steps_sampled) == (
+        Verdict.VERIFIED,
+        2,
+        1,
+    )
+    assert result.detail == "1 of the 2 compared positions carried the parameters' sample"
+    assert result.to_json()["steps_compared"] == 2
+
+
+def test_a_window_with_no_part_both_kept_is_unverifiable_not_verified() -> None:
+    expected = [Fingerprint(10, 0, 2.5), Fingerprint(11, 0, 2.4)]
+    got = [Fingerprint(10, 0, None, {"params": "aa"}), Fingerprint(11, 0, None, {})]
+    result = verdict(expected, got)
+    assert (result.verdict, result.steps_compared) == (Verdict.UNVERIFIABLE, 0)
+    assert "no replayed position carried a part both attempts kept" in result.detail
+
+
+def test_a_position_kept_by_one_side_only_is_not_compared() -> None:
+    expected = prints(2.5, 2.4, 2.3)
+    got = [prints(2.5)[0], prints(2.3, start=12)[0]]  # 11 is not fingerprinted here
+    result = verdict(expected, got)
+    assert (result.verdict, result.steps_compared, result.steps_sampled) == (
+        Verdict.VERIFIED,
+        2,
+        2,
+    )
 
 
 def test_nothing_replayed_is_unverifiable_and_says_why() -> None:
@@ -94,3 +141,10 @@ def test_a_malformed_fingerprint_is_refused() -> None:
         Fingerprint.from_json({"step": 1, "loss": float("nan")})
     again = Fingerprint.from_json(prints(2.5)[0].to_json())
     assert again == prints(2.5)[0]
+
+
+def test_differing_parameters_without_a_loss_to_compare_name_no_one_layer() -> None:
+    expected = [Fingerprint(10, 0, None, {"params": "aa"})]
+    result = verdict(expected, [Fingerprint(10, 0, None, {"params": "bb"})])
+    assert result.verdict is Verdict.DIVERGED
+    assert "no loss was reported" in result.detail and "likely" not in result.detail
