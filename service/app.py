@@ -171,8 +171,10 @@ async def _database_error(_: Request, err: DBAPIError) -> JSONResponse:
         body = InvalidRequestError(f"the database refused a value: {err.orig}").body()
         return JSONResponse(body, status_code=422)
     if _retryable(err):
-        log.warning("database conflict, the client will retry: %s", err.orig)
-        retry = RetryError("the database aborted this request to resolve a conflict; retry it")
+        log.warning("database aborted a request, the client will retry: %s", err.orig)
+        retry = RetryError(
+            "the database aborted this request (a conflict, or a connection lost); retry it"
+        )
         return JSONResponse(retry.body(), status_code=retry.status, headers={"Retry-After": "1"})
     log.error("database error", exc_info=err)
     failed = DatabaseUnavailableError("the catalog database failed; see the server log")
@@ -198,9 +200,14 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
 
 
 def _retryable(err: DBAPIError) -> bool:
-    """A deadlock or serialization failure (Postgres), or a busy database (SQLite)."""
+    """A deadlock or serialization failure (Postgres), a busy database (SQLite), or a pooled
+    connection found dead by its first statement (the pool is renewed: a retry finds it)."""
     code = getattr(err.orig, "sqlstate", None)
-    return code in ("40P01", "40001") or "database is locked" in str(err.orig)
+    return (
+        code in ("40P01", "40001")
+        or "database is locked" in str(err.orig)
+        or err.connection_invalidated
+    )
 
 
 def _describe(problem: Any) -> str:

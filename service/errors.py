@@ -13,7 +13,7 @@
     ├── RateLimitedError            429  the token sent too many requests: retry after Retry-After
     │   └── TooManyInFlightError    429  the token has too many expensive requests in flight
     ├── StoreUnavailableError       503  the object store could not be read or written
-    ├── RetryError                  503  the database aborted the request to resolve a conflict
+    ├── RetryError                  503  the database aborted the request (a conflict, a dead connection)
     └── DatabaseUnavailableError    503  the catalog database failed
 
 Services raise these, never ``HTTPException``; the body is always
@@ -205,8 +205,8 @@ class StoreUnavailableError(ServiceError):
 
 
 class RetryError(ServiceError):
-    """The database aborted the request to resolve a conflict (a deadlock, a busy
-    database): send it again after ``Retry-After``."""
+    """The database aborted the request (a deadlock, a busy database, a pooled connection
+    found dead): send it again after ``Retry-After``."""
 
     status = 503
     code = "retry"
