@@ -9,10 +9,11 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg.adapt import Dumper
-from sqlalchemy import BigInteger, ColumnElement, Select, any_, literal
+from sqlalchemy import BigInteger, ColumnElement, Select, any_, inspect, literal
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session
+from sqlalchemy.orm.attributes import set_committed_value
 from sqlalchemy.types import UserDefinedType
 
 
@@ -115,3 +116,18 @@ class _WordsDumper(Dumper):
 
 
 psycopg.adapters.register_dumper(_Words, _WordsDumper)
+
+
+def take_changes(instance: DeclarativeBase) -> dict[str, Any]:
+    """The columns of a loaded ``instance`` changed since it was loaded (or last flushed),
+    now marked as written: the caller writes them in a statement of its own, and the
+    session's flush no longer does."""
+    state = inspect(instance)
+    changes: dict[str, Any] = {}
+    for column in state.mapper.column_attrs:
+        history = state.attrs[column.key].history
+        if history.added:
+            changes[column.key] = history.added[0]
+    for key, value in changes.items():
+        set_committed_value(instance, key, value)
+    return changes

@@ -24,8 +24,8 @@ from service.models import (
     Run,
     utcnow,
 )
-from service.runs.activity import refresh_activity
-from service.sql import Lock, insert, insert_for, locked
+from service.runs.activity import beat_rank_statement, refresh_activity
+from service.sql import Lock, insert, locked
 
 
 def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | None:
@@ -280,17 +280,8 @@ def rank_silent(session: Session, *, attempt_id: int, silent_since: datetime) ->
 def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> None:
     """Record a heartbeat of one rank of the attempt (on the session's connection: no
     flush of the attempt it changes first, which its commit writes)."""
-    values = {"attempt_id": attempt_id, "rank": rank, "heartbeat_at": at}
-    session.connection().execute(_beat_rank(session.get_bind().dialect.name), values)
-
-
-@functools.cache
-def _beat_rank(dialect: str) -> Any:
-    statement = insert_for(dialect, AttemptRank)
-    return statement.on_conflict_do_update(
-        index_elements=["attempt_id", "rank"],
-        set_={"heartbeat_at": statement.excluded.heartbeat_at},
-    )
+    values = {"beating_attempt": attempt_id, "beating_rank": rank, "beat_at": at}
+    session.connection().execute(beat_rank_statement(session.get_bind().dialect.name), values)
 
 
 def lineage_bundles(

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import text
+
 from tests.service.conftest import Server
 from tests.service.helpers import open_bundle, register, save
 
@@ -61,3 +63,26 @@ def test_a_finished_attempts_final_save_is_its_newest_bundles_commit(
     assert found["done"]["final_save_committed"] is True
     assert found["cut"]["final_save_committed"] is False
     assert found["last"]["final_save_committed"] is False
+
+
+def test_a_heartbeats_every_change_is_in_the_catalog(server: Server, run_name: str) -> None:
+    """On PostgreSQL a heartbeat writes the attempt, its rank and the run's activity in one
+    statement of its own, not through the session's flush: each change is read back."""
+    time = {"restart_seconds": 3.0, "stall_seconds": 1.5, "train_seconds": 40.0, "steps_trained": 7}
+    with server.client() as client:
+        attempt = register(client, run_name, pod="beating")
+        beat = {"step": 7, "rank": 1, "time": time, "interval_seconds": 120.0}
+        beat["waste_seconds_per_hour"] = 30.0
+        answer = client.post(f"/v1/attempts/{attempt['attempt_id']}/heartbeat", json=beat)
+        assert answer.status_code == 200, answer.text
+        beaten = attempts(server, run_name)["beating"]
+    assert beaten["last_step"] == 7
+    assert beaten["heartbeat_at"] == answer.json()["heartbeat_at"] is not None
+    assert beaten["interval_seconds"] == 120.0
+    assert beaten["time"]["wall_seconds"] == 44.5  # restart + stall + train
+    assert beaten["time"]["train_seconds"] == 40.0
+    with server.context.read() as session:
+        ranks = session.execute(text("SELECT rank FROM attempt_rank")).scalars().all()
+        activity = session.execute(text("SELECT state, steps_computed FROM run_activity")).one()
+    assert ranks == [1]
+    assert tuple(activity) == ("training", 7)
