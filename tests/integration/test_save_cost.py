@@ -19,7 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from ckpt import Checkpointer
+from ckpt import Checkpointer, SaveResult
 from ckpt.core.storage import DirectoryStore
 from tests.server_process import ckpt_server
 
@@ -51,18 +51,26 @@ def open_checkpointer(
     )
 
 
+def two_saves(
+    ckpt: Checkpointer, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[SaveResult, SaveResult]:
+    """A save after one step (no median step to charge it against: no tax), then one at
+    step 6 with a step trained while it persists."""
+    step(model, optimizer)
+    ckpt.counters.step = 1
+    first = ckpt.save().wait()
+    for _ in range(5):
+        step(model, optimizer)
+    ckpt.counters.step = 6
+    pending = ckpt.save()
+    step(model, optimizer)
+    return first, pending.wait()
+
+
 def test_a_save_reports_its_tax_once_the_loop_has_stepped(tmp_path: Path) -> None:
     model, optimizer = job()
     with open_checkpointer(tmp_path, model, optimizer) as ckpt:
-        step(model, optimizer)
-        ckpt.counters.step = 1
-        first = ckpt.save().wait()  # one step only: no median step to charge it against
-        for _ in range(5):
-            step(model, optimizer)
-        ckpt.counters.step = 6
-        pending = ckpt.save()
-        step(model, optimizer)
-        second = pending.wait()
+        first, second = two_saves(ckpt, model, optimizer)
     assert first.tax_seconds is None
     assert second.tax_seconds is not None and second.tax_seconds >= 0.0
 
@@ -86,15 +94,7 @@ def test_a_training_loops_save_reaches_the_catalog_with_its_tax(
             quiet=True,
         )
         with ckpt:
-            step(model, optimizer)
-            ckpt.counters.step = 1
-            first = ckpt.save().wait()
-            for _ in range(5):
-                step(model, optimizer)
-            ckpt.counters.step = 6
-            pending = ckpt.save()
-            step(model, optimizer)
-            second = pending.wait()
+            first, second = two_saves(ckpt, model, optimizer)
         # Closed: the last save's figures went on their own (the first's with its record).
         with server.client() as client:
             bundles = client.get("/v1/runs/taxed/lineage").json()["bundles"]

@@ -25,29 +25,29 @@ def _close_connections(server: Server) -> None:
     assert closed is not None and closed[0] >= 1, "the server had no connection to close"
 
 
-def test_a_connection_that_idled_is_pinged_and_replaced(
-    make_server: MakeServer, monkeypatch: pytest.MonkeyPatch, run_name: str
+@pytest.mark.parametrize(
+    ("idle_seconds", "answers"),
+    [
+        pytest.param(0.0, [200], id="idled-pinged-and-replaced"),
+        pytest.param(3600.0, [503, 200], id="used-a-moment-ago-fails-once-as-retry"),
+    ],
+)
+def test_a_connection_the_database_closed_is_replaced(
+    make_server: MakeServer,
+    monkeypatch: pytest.MonkeyPatch,
+    run_name: str,
+    idle_seconds: float,
+    answers: list[int],
 ) -> None:
-    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 0.0)  # every checkout has idled
+    """``idle_seconds``: how long a connection must idle to be pinged (0: every checkout; an
+    hour: none here). The requests after the connections closed get ``answers``."""
+    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", idle_seconds)
     server = make_server("postgres")
     with server.client() as client:
         register(client, run_name)
         _close_connections(server)
-        answer = client.get(f"/v1/runs/{run_name}")
-        assert answer.status_code == 200, answer.text
-
-
-def test_a_connection_used_a_moment_ago_fails_once_as_retry_then_is_replaced(
-    make_server: MakeServer, monkeypatch: pytest.MonkeyPatch, run_name: str
-) -> None:
-    monkeypatch.setattr(db, "PING_AFTER_IDLE_SECONDS", 3600.0)  # none has idled: no ping
-    server = make_server("postgres")
-    with server.client() as client:
-        register(client, run_name)
-        _close_connections(server)
-        failed = client.get(f"/v1/runs/{run_name}")
-        assert failed.status_code == 503, failed.text
+        got = [client.get(f"/v1/runs/{run_name}") for _ in answers]
+    assert [answer.status_code for answer in got] == answers, got[0].text
+    for failed in got[:-1]:
         assert failed.json()["error"] == "retry"
         assert failed.headers["Retry-After"] == "1"
-        answer = client.get(f"/v1/runs/{run_name}")
-        assert answer.status_code == 200, answer.text

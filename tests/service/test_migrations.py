@@ -13,7 +13,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Column, Engine, Integer, MetaData, String, inspect, select, text
+from sqlalchemy import Column, Connection, Engine, Integer, MetaData, String, inspect, select, text
 from sqlalchemy.orm import Session
 
 from service.db import alembic_config, make_engine, schema_revision, upgrade
@@ -312,30 +312,37 @@ def test_runs_get_their_state_activity_and_figures(database_url: str, engine: En
     assert {row.writes for row in rows} == {1}
 
 
+def _one_bundle(connection: Connection, *, world_size: int) -> None:
+    """Run 1, its attempt 1 and its complete bundle 10 at step 6, in the schema as it is."""
+    tables = Base.metadata.tables
+    connection.execute(tables["run"].insert().values(id=1, name="run-1", created_at=NOW, epoch=1))
+    connection.execute(tables["attempt"].insert().values(id=1, run_id=1, epoch=1, started_at=NOW))
+    connection.execute(
+        tables["bundle"]
+        .insert()
+        .values(
+            id=10,
+            run_id=1,
+            attempt_id=1,
+            step=6,
+            world_size=world_size,
+            status="complete",
+            pinned=False,
+            created_at=NOW,
+            versions={},
+        )
+    )
+
+
 def test_bundles_keep_their_layers_and_saves_and_are_at_micro_step_zero(
     database_url: str, engine: Engine
 ) -> None:
     """The migration that names a bundle by (step, micro step) rebuilds the bundle table
     (SQLite copies it): every bundle and what references it stays, at micro step 0."""
     command.upgrade(alembic_config(database_url), "2026_12_03_0013")
-    tables = Base.metadata.tables
-    run, attempt, bundle, layer = (tables[n] for n in ("run", "attempt", "bundle", "layer"))
+    bundle, layer = Base.metadata.tables["bundle"], Base.metadata.tables["layer"]
     with engine.begin() as connection:
-        connection.execute(run.insert().values(id=1, name="run-1", created_at=NOW, epoch=1))
-        connection.execute(attempt.insert().values(id=1, run_id=1, epoch=1, started_at=NOW))
-        connection.execute(
-            bundle.insert().values(
-                id=10,
-                run_id=1,
-                attempt_id=1,
-                step=6,
-                world_size=1,
-                status="complete",
-                pinned=False,
-                created_at=NOW,
-                versions={},
-            )
-        )
+        _one_bundle(connection, world_size=1)
         connection.execute(
             layer.insert().values(
                 bundle_id=10, rank=0, layer="weights", payload_bytes=1, record={}, recorded_at=NOW
@@ -369,25 +376,10 @@ def test_saves_reported_before_the_tax_have_none_and_keep_it_through_a_downgrade
     """The migration that adds the save tax leaves every earlier save's figures as they were,
     without a tax; going down drops the tax and keeps the save."""
     command.upgrade(alembic_config(database_url), "2026_12_05_0016")
-    tables = Base.metadata.tables
-    run, attempt, bundle, save = (tables[n] for n in ("run", "attempt", "bundle", "save"))
+    save = Base.metadata.tables["save"]
     figures = {"stall_seconds": 0.1, "persist_seconds": 1.0, "payload_bytes": 100, "new_bytes": 10}
     with engine.begin() as connection:
-        connection.execute(run.insert().values(id=1, name="run-1", created_at=NOW, epoch=1))
-        connection.execute(attempt.insert().values(id=1, run_id=1, epoch=1, started_at=NOW))
-        connection.execute(
-            bundle.insert().values(
-                id=10,
-                run_id=1,
-                attempt_id=1,
-                step=6,
-                world_size=2,
-                status="complete",
-                pinned=False,
-                created_at=NOW,
-                versions={},
-            )
-        )
+        _one_bundle(connection, world_size=2)
         connection.execute(
             save.insert().values(bundle_id=10, run_id=1, rank=0, reported_at=NOW, **figures)
         )

@@ -12,7 +12,9 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -66,9 +68,14 @@ def waiting_on_locks(database: psycopg.Connection[tuple[int]]) -> int:
     return found[0]
 
 
-def test_priority_requests_are_served_while_bulk_requests_hold_every_other_thread(
-    server: ServerProcess, pg_databases: list[str]
-) -> None:
+@contextmanager
+def bulk_held_on_a_lock(
+    server: ServerProcess, database: str, count: int
+) -> Iterator[tuple[dict[str, Any], psycopg.Connection[Any], list[int]]]:
+    """A run with one committed bundle, then ``count`` bulk requests (reads of its audit
+    events) sent while this test holds a lock on the events: they wait on it until the block
+    ends. Yields the attempt, a connection to watch the waits with, and the bulk requests'
+    answers (all in once the block has ended)."""
     store = DirectoryStore(server.store)
     with server.client() as admin:
         attempt = register(admin, RUN)
@@ -79,14 +86,26 @@ def test_priority_requests_are_served_while_bulk_requests_hold_every_other_threa
         with server.client() as client:
             answers.append(client.get(f"/v1/runs/{RUN}/events", timeout=HANG_GUARD).status_code)
 
-    bulk = [threading.Thread(target=events) for _ in range(HELD)]
+    bulk = [threading.Thread(target=events) for _ in range(count)]
     with (
-        psycopg.connect(plain(pg_databases[-1])) as holder,
-        psycopg.connect(plain(pg_databases[-1]), autocommit=True) as watcher,
+        psycopg.connect(plain(database)) as holder,
+        psycopg.connect(plain(database), autocommit=True) as watcher,
     ):
         holder.execute("LOCK TABLE bundle_event IN ACCESS EXCLUSIVE MODE")
         for thread in bulk:
             thread.start()
+        try:
+            yield attempt, watcher, answers
+        finally:
+            holder.rollback()  # lets the bulk requests go
+    for thread in bulk:
+        thread.join()
+
+
+def test_priority_requests_are_served_while_bulk_requests_hold_every_other_thread(
+    server: ServerProcess, pg_databases: list[str]
+) -> None:
+    with bulk_held_on_a_lock(server, pg_databases[-1], HELD) as (attempt, watcher, answers):
         deadline = time.monotonic() + HANG_GUARD
         while waiting_on_locks(watcher) < DEFAULT_THREADS:  # every thread taken
             assert time.monotonic() < deadline, f"{waiting_on_locks(watcher)} waiting"
@@ -99,9 +118,6 @@ def test_priority_requests_are_served_while_bulk_requests_hold_every_other_threa
             )
             resumable = trainer.get(f"/v1/runs/{RUN}/resumable", timeout=HANG_GUARD)
         still_waiting = waiting_on_locks(watcher)
-        holder.rollback()  # lets the bulk requests go
-    for thread in bulk:
-        thread.join()
     assert beat.status_code == 200, beat.text
     assert resumable.status_code == 200, resumable.text
     assert resumable.json()["step"] == 10
@@ -119,24 +135,7 @@ def test_bulk_requests_run_one_at_a_time_the_others_wait_their_turn(
     in_turns: ServerProcess, pg_databases: list[str]
 ) -> None:
     server = in_turns
-    store = DirectoryStore(server.store)
-    with server.client() as admin:
-        attempt = register(admin, RUN)
-        save(admin, store, RUN, attempt, step=10)
-    answers: list[int] = []
-
-    def events() -> None:
-        with server.client() as client:
-            answers.append(client.get(f"/v1/runs/{RUN}/events", timeout=HANG_GUARD).status_code)
-
-    bulk = [threading.Thread(target=events) for _ in range(QUEUED + 1)]
-    with (
-        psycopg.connect(plain(pg_databases[-1])) as holder,
-        psycopg.connect(plain(pg_databases[-1]), autocommit=True) as watcher,
-    ):
-        holder.execute("LOCK TABLE bundle_event IN ACCESS EXCLUSIVE MODE")
-        for thread in bulk:
-            thread.start()
+    with bulk_held_on_a_lock(server, pg_databases[-1], QUEUED + 1) as (_, watcher, answers):
         deadline = time.monotonic() + HANG_GUARD
         while bulk_waiting(server) != QUEUED:  # one runs (and waits on the lock), the rest queue
             assert waiting_on_locks(watcher) <= 1, "a second bulk request ran beside the first"
@@ -145,9 +144,6 @@ def test_bulk_requests_run_one_at_a_time_the_others_wait_their_turn(
         running = waiting_on_locks(watcher)
         with server.client() as trainer:  # the priority class does not queue behind them
             resumable = trainer.get(f"/v1/runs/{RUN}/resumable", timeout=HANG_GUARD)
-        holder.rollback()  # lets the bulk requests go, one after another
-    for thread in bulk:
-        thread.join()
     assert running == 1
     assert resumable.status_code == 200, resumable.text
     assert answers == [200] * (QUEUED + 1)
