@@ -6,8 +6,8 @@
 ``--jobs`` jobs of ``--ranks`` ranks each, one thread and one run token per job, run for
 ``--seconds``: each registers an attempt and asks ``/resumable`` (a start), heartbeats every
 ``--heartbeat`` seconds, and saves every ``--save-every`` seconds the way the agent does
-(per rank: ``/v1/blobs/missing`` and six layer records of new blobs put in the store;
-the coordinating rank opens the bundle and commits it). Halfway, a preemption wave:
+(the coordinating rank opens the bundle; per rank: ``/v1/blobs/missing`` and one record of
+its six layers, of new blobs put in the store; then the commit). Halfway, a preemption wave:
 ``--wave`` of the jobs (20%) restart at random times within ``--wave-spread`` seconds (a
 minute), each registering a new attempt and asking ``/resumable``. Each job starts at a
 random offset, so cadences do not line up.
@@ -60,16 +60,19 @@ class Figures:
     latencies: dict[str, list[float]] = field(default_factory=lambda: collections.defaultdict(list))
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     why: collections.Counter[str] = field(default_factory=collections.Counter)
+    said: dict[str, str] = field(default_factory=dict)  # the first message of each kind
     lock: threading.Lock = field(default_factory=threading.Lock)
     seconds: float = 0.0
 
-    def add(self, route: str, took: float, *, failed: str | None) -> None:
-        """One request's time; ``failed``: its status or error, when it failed."""
+    def add(self, route: str, took: float, *, failed: str | None, said: str = "") -> None:
+        """One request's time; ``failed``: its status or error, when it failed (``said``:
+        what the answer said)."""
         with self.lock:
             self.latencies[route].append(took)
             if failed:
                 self.errors[route] += 1
                 self.why[f"{route} {failed}"] += 1
+                self.said.setdefault(f"{route} {failed}", said[:160])
 
     def served(self) -> int:
         return sum(len(samples) for samples in self.latencies.values()) - sum(self.errors.values())
@@ -109,7 +112,8 @@ class Caller:
         status = response.status_code
         failed = status >= 500 or (status >= 400 and route != "resumable")
         took = time.perf_counter() - started
-        self.figures.add(route, took, failed=str(status) if failed else None)
+        said = response.text if failed else ""
+        self.figures.add(route, took, failed=str(status) if failed else None, said=said)
         return response
 
 
@@ -133,8 +137,13 @@ class Job:
         self.call("heartbeat", "POST", path, {"step": self.step})
 
     def save(self) -> None:
+        """As the agent saves: the bundle opened, then each rank's blobs asked about and
+        written (after the open: a run token's commit counts only blobs written since),
+        then each rank's layers recorded, then the commit."""
         self.step += 10
         real = self.call.floor_id is None
+        opened = self.call("open", "POST", f"/v1/runs/{self.name}/bundles", self._open_body())
+        bundle = opened.json()["id"] if real else 0
         records = [
             [make_layer(self.store, upload=real)[0] for _ in RESTORE_ORDER]
             for _ in range(self.plan.ranks)
@@ -142,15 +151,16 @@ class Job:
         for layers in records:
             blobs = [blob.model_dump(mode="json") for rec in layers for blob in rec.blobs]
             self.call("blobs/missing", "POST", "/v1/blobs/missing", {"blobs": blobs})
-        opened = self.call("open", "POST", f"/v1/runs/{self.name}/bundles", self._open_body())
-        bundle = opened.json()["id"] if real else 0
         epoch = self.attempt["epoch"]
-        for rank, layers in enumerate(records):
-            for layer, rec in zip(RESTORE_ORDER, layers, strict=True):
-                path = f"/v1/bundles/{bundle}/layers/{rank}/{layer}"
-                self.call(
-                    "record", "PUT", path, {"epoch": epoch, "record": rec.model_dump(mode="json")}
-                )
+        for rank, layers in enumerate(records):  # every layer of a rank in one request
+            body = {
+                "epoch": epoch,
+                "layers": {
+                    layer.value: rec.model_dump(mode="json")
+                    for layer, rec in zip(RESTORE_ORDER, layers, strict=True)
+                },
+            }
+            self.call("record", "POST", f"/v1/bundles/{bundle}/layers/{rank}", body)
         self.call("commit", "POST", f"/v1/bundles/{bundle}/commit", {"epoch": epoch})
 
     def _open_body(self) -> dict[str, Any]:
@@ -290,7 +300,8 @@ def report(workers: int, plan: Plan, ckpt: Figures, floor: Figures) -> None:
             f"{c99 * 1e3:8.1f} {f50 * 1e3:9.1f} {f99 * 1e3:9.1f} {c50 / f50:6.1f} {c99 / f99:6.1f}"
         )
     if ckpt.why:
-        print("  errors: " + ", ".join(f"{what} x {n}" for what, n in sorted(ckpt.why.items())))
+        for what, n in sorted(ckpt.why.items()):
+            print(f"  errors: {what} x {n}, the first: {ckpt.said[what]}")
     worst = max(percentiles(ckpt.latencies.get(r, []))[1] for r in ("resumable", "heartbeat"))
     print(f"  /resumable and heartbeat p99 {'<=' if worst <= 0.100 else '>'} 100 ms")
 
