@@ -55,12 +55,12 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int]) -> None:
         _upsert_activity(session, run_id, state=state, active_at=active_at, **figures)
 
 
-def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int | None) -> None:
-    """After a heartbeat of the run's newest ``attempt`` (resumed from step ``start``),
-    which the caller holds: only that attempt's own part changes, in one UPDATE. With
-    ``rank``, that rank's heartbeat is recorded too (``attempt_rank``). On PostgreSQL one
-    statement writes it all, the attempt's own changes included (data-modifying ``WITH``
-    clauses, instead of the session's flush): a heartbeat's three writes, one round trip."""
+def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int) -> None:
+    """Write a heartbeat of ``rank`` of the run's newest ``attempt`` (resumed from step
+    ``start``), which the caller holds and has changed: the rank's row (``attempt_rank``),
+    and the run's activity, of which only that attempt's own part changes. On PostgreSQL one
+    statement writes them and the attempt's own changes (data-modifying ``WITH`` clauses,
+    instead of the session's flush): a heartbeat's three writes, one round trip."""
     state, active_at, own = _newest_figures(
         attempt.ended_at,
         attempt.end_reason,
@@ -70,25 +70,18 @@ def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int |
         start,
     )
     values: dict[str, Any] = {"run": attempt.run_id, "new_state": state, "at": active_at}
-    values["own"] = own
-    beating: dict[str, Any] = {
-        "beating_attempt": attempt.id,
-        "beating_rank": rank,
-        "beat_at": attempt.heartbeat_at,
-    }
+    values |= {"own": own, "beating_attempt": attempt.id, "beating_rank": rank}
+    values["beat_at"] = attempt.heartbeat_at
     connection = session.connection()  # Core: no flush of the attempt first
     dialect = connection.dialect.name
     if dialect != "postgresql":
-        if rank is not None:
-            connection.execute(beat_rank_statement(dialect), beating)
+        connection.execute(_beat_rank(dialect), values)
         connection.execute(_beat(), values)
         return
     changes = take_changes(attempt)
     values |= {f"new_{name}": value for name, value in changes.items()}
     values["changed_attempt"] = attempt.id
-    if rank is not None:
-        values |= beating
-    connection.execute(_beat_all(frozenset(changes), with_rank=rank is not None), values)
+    connection.execute(_beat_all(frozenset(changes)), values)
 
 
 @functools.cache
@@ -107,25 +100,23 @@ def _beat() -> Any:
 
 
 @functools.cache
-def _beat_all(changed: frozenset[str], *, with_rank: bool) -> Any:
-    """``_beat`` on PostgreSQL with the attempt's ``changed`` columns (parameters
-    ``new_<column>``, ``changed_attempt``) and, ``with_rank``, the rank's upsert; built once
-    for each set of columns (a heartbeat changes one of a few)."""
-    statement = _beat()
-    if changed:
-        attempt = (
-            update(Attempt)
-            .where(Attempt.id == bindparam("changed_attempt"))
-            .values({name: bindparam(f"new_{name}") for name in sorted(changed)})
-        )
-        statement = statement.add_cte(attempt.cte("attempt_beat"))
-    if with_rank:
-        statement = statement.add_cte(beat_rank_statement("postgresql").cte("rank_beat"))
-    return statement
+def _beat_all(changed: frozenset[str]) -> Any:
+    """``_beat`` on PostgreSQL with the rank's upsert and the attempt's ``changed`` columns
+    (parameters ``new_<column>``, ``changed_attempt``); built once for each set of columns
+    (a heartbeat changes one of a few)."""
+    statement = _beat().add_cte(_beat_rank("postgresql").cte("rank_beat"))
+    if not changed:
+        return statement
+    attempt = (
+        update(Attempt)
+        .where(Attempt.id == bindparam("changed_attempt"))
+        .values({name: bindparam(f"new_{name}") for name in sorted(changed)})
+    )
+    return statement.add_cte(attempt.cte("attempt_beat"))
 
 
 @functools.cache
-def beat_rank_statement(dialect: str) -> Any:
+def _beat_rank(dialect: str) -> Any:
     """Record a heartbeat of one rank of an attempt (parameters ``beating_attempt``,
     ``beating_rank``, ``beat_at``; a column's own name is reserved)."""
     statement = insert_for(dialect, AttemptRank).values(

@@ -79,11 +79,6 @@ def heartbeat(
         if beat.step is not None:
             _check_advance(attempt, beat.step, start=start, limit=context.settings.max_step_advance)
         attempt.heartbeat_at = utcnow()
-        was_lost = attempt.end_reason == EndReason.LOST
-        if was_lost:  # its ranks are looked at below: this one's beat first
-            repository.beat_rank(
-                session, attempt_id=attempt.id, rank=beat.rank, at=attempt.heartbeat_at
-            )
         if beat.step is not None:
             attempt.last_step = beat.step
         if beat.time is not None:
@@ -100,13 +95,13 @@ def heartbeat(
             attempt.interval_seconds = beat.interval_seconds
             attempt.waste_seconds_per_hour = beat.waste_seconds_per_hour
         silent_since = attempt.heartbeat_at - timedelta(seconds=context.settings.lost_after_seconds)
-        if was_lost and not repository.rank_silent(
-            session, attempt_id=attempt.id, silent_since=silent_since
+        if attempt.end_reason == EndReason.LOST and not repository.rank_silent(
+            session, attempt_id=attempt.id, silent_since=silent_since, beating=beat.rank
         ):  # it was alive after all (a partition), every rank of it
             attempt.ended_at = attempt.end_reason = None
         # Not fenced: the run's newest attempt, and no successor has registered, so nothing
         # is lost yet.
-        beat_activity(session, attempt, start=start, rank=None if was_lost else beat.rank)
+        beat_activity(session, attempt, start=start, rank=beat.rank)
         return attempt_out(attempt, run, steps_lost=None)
 
 

@@ -24,7 +24,7 @@ from service.models import (
     Run,
     utcnow,
 )
-from service.runs.activity import beat_rank_statement, refresh_activity
+from service.runs.activity import refresh_activity
 from service.sql import Lock, insert, locked
 
 
@@ -265,23 +265,21 @@ def mark_lost(session: Session, *, silent_since: datetime, now: datetime) -> lis
     return lost
 
 
-def rank_silent(session: Session, *, attempt_id: int, silent_since: datetime) -> bool:
-    """Whether a rank of the attempt has not beaten since ``silent_since``."""
+def rank_silent(session: Session, *, attempt_id: int, silent_since: datetime, beating: int) -> bool:
+    """Whether a rank of the attempt but ``beating`` (which beats now) has not beaten since
+    ``silent_since``."""
     return (
         session.scalar(
             select(AttemptRank.rank)
-            .where(AttemptRank.attempt_id == attempt_id, AttemptRank.heartbeat_at < silent_since)
+            .where(
+                AttemptRank.attempt_id == attempt_id,
+                AttemptRank.rank != beating,
+                AttemptRank.heartbeat_at < silent_since,
+            )
             .limit(1)
         )
         is not None
     )
-
-
-def beat_rank(session: Session, *, attempt_id: int, rank: int, at: datetime) -> None:
-    """Record a heartbeat of one rank of the attempt (on the session's connection: no
-    flush of the attempt it changes first, which its commit writes)."""
-    values = {"beating_attempt": attempt_id, "beating_rank": rank, "beat_at": at}
-    session.connection().execute(beat_rank_statement(session.get_bind().dialect.name), values)
 
 
 def lineage_bundles(

@@ -241,6 +241,10 @@ def test_an_attempt_is_lost_when_any_of_its_ranks_goes_silent(
         assert mark_lost(server.context) == []
         lineage = client.get(f"/v1/runs/{run_name}/lineage").json()
         assert lineage["attempts"][0]["end_reason"] == "lost"
+        # The silent rank beating again brings it back: its own old beat no longer counts.
+        back = client.post(f"/v1/attempts/{attempt_id}/heartbeat", json={"step": 5, "rank": 1})
+        assert back.status_code == 200, back.text
+        assert (back.json()["end_reason"], back.json()["ended_at"]) == (None, None)
         refused = client.post(f"/v1/attempts/{attempt_id}/heartbeat", json={"rank": 16384})
         assert refused.status_code == 422
 
