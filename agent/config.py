@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from agent.attempt.notices import CLOUDS
 from agent.format.chunking import DEFAULT_BLOB_BYTES, MAX_BLOB_BYTES
+from agent.save.yielding import save_yield_seconds
 from agent.verify.compare import Mode
 from ckpt.core.storage.keys import check_run_name
 from ckpt.core.threads import save_niceness
@@ -255,6 +256,7 @@ class Config:
         if self.metadata_url is not None and urlparse(self.metadata_url).scheme != "http":
             raise ValueError(f"metadata_url must be an http URL, got {self.metadata_url!r}")
         save_niceness()  # read by the persist thread: refused here, before anything starts
+        save_yield_seconds()
 
     def _check_every(self) -> None:
         if self.every is not None:

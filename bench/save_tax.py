@@ -10,8 +10,10 @@ The state is ``--layers`` x nn.Linear(width, width) plus Adam (the defaults: 1.0
 - ``sleep``: ``time.sleep`` standing in for a GPU's forward and backward, then Adam's step
   on one thread: the loop's compute leaves a core free (a stand-in, not a GPU).
 
-For each loop and each way of saving (ckpt with overlap on and off, ``torch.distributed.
-checkpoint.async_save``, ``torch.save`` + fsync), in rotating order within each round:
+For each loop and each way of saving (ckpt as it ships, with overlap off, at niceness 10,
+and with its pause during the optimizer's steps flipped: off by default in the cpu loop,
+on in the sleep loop as it is once a process uses CUDA; ``torch.distributed.checkpoint.
+async_save``; ``torch.save`` + fsync), in rotating order within each round:
 a few plain iterations (their median is one iteration's time), then a save, then iterations
 until the save is durable. The *tax* is the wall time from the save's call to the end of the
 first iteration that ends after it is durable, less that many plain iterations. Beside it:
@@ -55,6 +57,7 @@ METHODS = (
     "ckpt",
     "ckpt overlap off",
     "ckpt niceness 10",
+    "ckpt yield flipped",
     "DCP async_save",
     "torch.save + fsync",
 )
@@ -135,6 +138,12 @@ def saver(method: str, loop: Loop, work: Path) -> Iterator[Callable[[int], Start
     elif method.startswith("ckpt"):
         if method == "ckpt niceness 10":  # the background threads below training's priority
             os.environ["CKPT_SAVE_NICENESS"] = "10"
+        # Pauses in the optimizer's steps: the agent's default is on once CUDA is in use, off
+        # on the CPU alone; the sleep loop stands in for a GPU, so it is set on for it.
+        on = loop.batch is None
+        if method == "ckpt yield flipped":
+            on = not on
+        os.environ["CKPT_SAVE_YIELD_SECONDS"] = "1" if on else "0"
         with Checkpointer(
             run="tax",
             store=open_store(str(target)),
@@ -154,6 +163,7 @@ def saver(method: str, loop: Loop, work: Path) -> Iterator[Callable[[int], Start
                 return pending.stall_seconds, pending.done, finish
 
             os.environ.pop("CKPT_SAVE_NICENESS", None)
+            os.environ.pop("CKPT_SAVE_YIELD_SECONDS", None)
             save(1)[2]()
             yield save
             ckpt.release_staging()
@@ -253,10 +263,13 @@ def report(kind: str, figures: dict[str, Figures], floor: float, size: int) -> N
     print("|---|---|---|---|---|---|---|---|")
     for method in METHODS:
         f = figures[method]
+        label = method
+        if method == "ckpt yield flipped":
+            label = "ckpt yield off" if kind == "sleep" else "ckpt yield 1 s"
         tax = f.median(lambda t: t.tax) or 0.0
         peak = f.median(lambda t: t.peak) or 0.0
         print(
-            f"| {method} | {ms(tax)} | {tax / floor:.2f} | {tax / dcp:.2f} | "
+            f"| {label} | {ms(tax)} | {tax / floor:.2f} | {tax / dcp:.2f} | "
             f"{ms(f.median(lambda t: t.own_tax))} | {ms(f.median(lambda t: t.stall))} | "
             f"{ms(f.median(lambda t: t.durable))} | {peak / GB:.2f} GB ({peak / size:.2f}) |",
             flush=True,

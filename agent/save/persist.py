@@ -8,8 +8,8 @@ for a bounded time): it commits in order once answered, holding only layer recor
 failure is raised once, by ``PendingSave.wait`` or the next ``Persister.wait``; a deferred
 save that cannot be committed (``SaveLostError``) by its own ``wait`` only. The persist
 thread, and the hashing and writing threads it starts, run ``CKPT_SAVE_NICENESS`` (default 0) below
-training's priority: above 0 they take the CPU the loop leaves (``agent.save.tax`` measures the
-rest).
+training's priority and pause while the optimizer steps (``agent.save.yielding``);
+``agent.save.tax`` measures what the loop still pays.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from agent.save.upload import (
     durable_together,
     upload_layers,
 )
+from agent.save.yielding import StepGate, save_yield_seconds
 from agent.state.capture import LayerState
 from agent.summary import announce, format_bytes
 from ckpt.core.contract import Layer, LayerRecord, Manifest
@@ -69,7 +70,8 @@ class Persister:
         self.save_seconds: float | None = None  # stall + persist of the last durable save
         self._run, self._store, self._catalog = run, store, catalog
         self._blob_bytes, self._ranks, self._quiet = blob_bytes, ranks, quiet
-        self.steps = StepClock()  # the loop's optimizer steps (``watch``), for each save's tax
+        self.gate = StepGate(save_yield_seconds())  # the save's work pauses while a step runs
+        self.steps = StepClock(gate=self.gate)  # the loop's steps (``watch``): each save's tax
         self._replicated = replicated  # layers every rank holds alike (DDP): one upload
         self._replicas = Replicas(ranks) if replicated and ranks.world_size > 1 else None
         self._blob_hashes: Mapping[BlobSources, str] = {}  # of the last persist, for reuse
@@ -361,6 +363,7 @@ class Persister:
                     share=self._replicas.share() if self._replicas else None,
                     replicated=self._replicated,
                     progress=progress.advance,
+                    pace=self.gate.pieces,
                 )
                 staged.release()  # written: training may step while the disk flushes
             return records

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from agent.save.yielding import StepGate
+
 MIN_STEPS = 3  # steps without a save before a median stands for "a step"
 _KEPT = 32  # the recent steps the median is taken of
 
@@ -43,8 +45,10 @@ class StepClock:
     """Times the optimizer steps of the loop (from any one thread), and the saves that
     overlap them (from the persist thread)."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
+    def __init__(
+        self, *, gate: StepGate | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self._clock, self._gate = clock, gate
         self._lock = threading.Lock()
         self._steps = 0
         self._last: float | None = None
@@ -53,9 +57,11 @@ class StepClock:
         self._overlapped = False  # a save overlapped the step running now
 
     def watch(self, optimizers: Iterable[torch.optim.Optimizer]) -> list[RemovableHandle]:
-        """Tick on every step of the first optimizer (one tick per iteration)."""
-        first = next(iter(optimizers), None)
-        return [] if first is None else [first.register_step_pre_hook(lambda *_: self.tick())]
+        """Tick on every step of the first optimizer (one tick per iteration); the ``gate``
+        (``StepGate``) closes while any of them steps."""
+        optimizers = list(optimizers)
+        ticks = [optimizers[0].register_step_pre_hook(lambda *_: self.tick())] if optimizers else []
+        return ticks + (self._gate.watch(optimizers) if self._gate else [])
 
     def tick(self) -> None:
         now = self._clock()

@@ -164,6 +164,7 @@ def upload_layers(
     share: Share | None = None,
     replicated: Collection[Layer] = (),
     progress: Callable[[int], None] = lambda nbytes: None,
+    pace: Callable[[Iterator[memoryview]], Iterator[memoryview]] = lambda pieces: pieces,
 ) -> dict[Layer, LayerRecord]:
     """Lay out each layer's payload, hash every blob, and put those the store does not hold.
 
@@ -172,12 +173,13 @@ def upload_layers(
     many layers and tensors it holds). So blobs are hashed first (one task per blob over
     every layer, on the I/O threads), then the missing ones written. ``hashes`` carries the
     previous save's blob hashes over; ``share`` splits the ``replicated`` layers' blobs among
-    the ranks; ``progress`` is told the size of each blob done.
+    the ranks; ``progress`` is told the size of each blob done; the bytes hashed and written
+    pass through ``pace`` (``StepGate.pieces``: they wait while the optimizer steps).
     """
     plans = {
         layer: payload.layout(state.skeleton, state.tensors) for layer, state in states.items()
     }
-    laid = _hashed(plans, blob_bytes=blob_bytes, hashes=hashes or BlobHashes())
+    laid = _hashed(plans, blob_bytes=blob_bytes, hashes=hashes or BlobHashes(), pace=pace)
     mine: list[_Blob] = []
     for layer, blobs in laid.items():
         here = _stored_here(share, blobs) if share is not None and layer in replicated else None
@@ -190,7 +192,7 @@ def upload_layers(
 
     def put(blob: _Blob) -> None:
         if blob.ref.sha256 not in found:
-            store.put(keys.blob_key(blob.ref.sha256), blob.plan.pieces(*blob.span))
+            store.put(keys.blob_key(blob.ref.sha256), pace(blob.plan.pieces(*blob.span)))
             stats.stored(blob.ref.size)
         progress(blob.ref.size)
 
@@ -208,7 +210,11 @@ def upload_layers(
 
 
 def _hashed(
-    plans: Mapping[Layer, payload.PayloadLayout], *, blob_bytes: int, hashes: BlobHashes
+    plans: Mapping[Layer, payload.PayloadLayout],
+    *,
+    blob_bytes: int,
+    hashes: BlobHashes,
+    pace: Callable[[Iterator[memoryview]], Iterator[memoryview]],
 ) -> dict[Layer, list[_Blob]]:
     """Every layer's blobs, hashed as one task per blob over all layers (the previous save's
     hash reused where every tensor a blob covers is unchanged)."""
@@ -223,7 +229,7 @@ def _hashed(
         sources = plan.sources(*span)
         sha = hashes.known(sources)
         if sha is None:
-            sha = _sha256(plan.pieces(*span))
+            sha = _sha256(pace(plan.pieces(*span)))
         else:
             hashes.reused(span[1] - span[0])
         hashes.remember(sources, sha)

@@ -16,6 +16,7 @@ from agent.demo.compare import differences
 from ckpt.core.contract import Manifest
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import keys, open_store
+from ckpt.core.storage import s3 as s3_module
 from ckpt.core.storage.s3 import S3ObjectStore
 from tests.conftest import run_trainer
 from tests.s3_server import S3Server, aws_environment, moto_server
@@ -153,6 +154,29 @@ def test_every_request_carries_the_sha256_of_its_bytes(store: S3ObjectStore) -> 
     assert any(
         (header.decode() if isinstance(header, bytes) else header) == checksum for header, _ in sent
     ), sent
+
+
+def test_a_blob_goes_up_with_the_sha256_its_key_names_and_is_not_hashed_again(
+    store: S3ObjectStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent hashed the blob to name it; S3 and MinIO refuse bytes that do not match the
+    # checksum sent (moto does not check: what is sent is checked here).
+    sent: list[str] = []
+
+    def capture(request: Any, **_: Any) -> None:
+        header = request.headers.get("x-amz-checksum-sha256", b"")
+        sent.append(header.decode() if isinstance(header, bytes) else header)
+
+    def hashed_again(views: object) -> str:
+        raise AssertionError("a blob's bytes were hashed again")
+
+    store._client.meta.events.register("before-send.s3.*", capture)
+    monkeypatch.setattr(s3_module, "_sha256", hashed_again)
+    data = os.urandom(1000)
+    digest = hashlib.sha256(data)
+    store.put(keys.blob_key(digest.hexdigest()), [data[:300], data[300:]])
+    assert sent == [base64.b64encode(digest.digest()).decode()]
+    assert store.get(keys.blob_key(digest.hexdigest())) == data
 
 
 def test_a_failed_multipart_upload_is_aborted_and_leaves_nothing(

@@ -364,6 +364,21 @@ def test_blob_key_spreads_by_hash_prefix() -> None:
     assert keys.blob_key(SHA) == f"blobs/sha256/ab/{SHA}"
 
 
+@pytest.mark.parametrize(
+    ("key", "named"),
+    [
+        (f"blobs/sha256/ab/{SHA}", SHA),
+        (f"blobs/sha256/cd/{SHA}", None),  # a prefix that is not the hash's
+        (f"blobs/sha256/AB/{SHA.upper()}", None),
+        (f"blobs/sha256/ab/{SHA[:-1]}", None),
+        (f"runs/r/blobs/sha256/ab/{SHA}", None),
+        ("blobs/small", None),
+    ],
+)
+def test_only_a_blob_key_names_the_sha256_of_its_bytes(key: str, named: str | None) -> None:
+    assert keys.blob_sha256(key) == named
+
+
 def test_manifest_key_pads_the_step() -> None:
     assert keys.manifest_key("run-1", 42) == "runs/run-1/bundles/000000000042/manifest.json"
     assert keys.manifest_key("r", 0) == "runs/r/bundles/000000000000/manifest.json"

@@ -22,6 +22,7 @@ import re
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FINGERPRINTS = re.compile(r"runs/[^/]+/fingerprints/(\d{20})/rank-(\d{5,})\.json")
+_BLOB = re.compile(r"blobs/sha256/([0-9a-f]{2})/([0-9a-f]{64})")
 _MANIFEST = re.compile(r"runs/[^/]+/bundles/(\d{12,})(?:_(\d{6,}))?/manifest\.json")
 
 
@@ -37,6 +38,12 @@ def check_run_name(run: str) -> str:
 
 def blob_key(sha256: str) -> str:
     return f"blobs/sha256/{sha256[:2]}/{sha256}"
+
+
+def blob_sha256(key: str) -> str | None:
+    """The SHA-256 a blob's key names, which its bytes must have; None for any other key."""
+    match = _BLOB.fullmatch(key)
+    return match[2] if match and match[2].startswith(match[1]) else None
 
 
 def bundles_prefix(run: str) -> str:

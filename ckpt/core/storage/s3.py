@@ -6,7 +6,8 @@ another server; credentials come from the standard AWS chain (environment, profi
 
 Objects are streamed from the caller's buffers (never joined into one bytes object): one
 ``PutObject`` up to ``part_bytes``, a multipart upload above, each request carrying the
-SHA-256 of its bytes so that the server verifies what it receives. ``part_bytes`` is S3's
+SHA-256 of its bytes so that the server verifies what it receives (a blob's is the one its
+key names: hashed once, by the agent, before the upload). ``part_bytes`` is S3's
 largest ``PutObject`` by default, and the agent's blobs are never larger
 (``CKPT_BLOB_BYTES``): each blob is one request whose SHA-256 S3 checks and keeps for the
 whole object, so that a commit confirms it from a HEAD. (A multipart upload's checksum is
@@ -39,6 +40,7 @@ from botocore.exceptions import (
 )
 
 from ckpt.core.errors import BadObjectError, StoreAccessError, StoreError
+from ckpt.core.storage import keys
 from ckpt.core.storage.base import StoredObject
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
@@ -123,7 +125,7 @@ class S3ObjectStore:
                     Key=target,
                     Body=_Reader(views),
                     ContentLength=size,
-                    ChecksumSHA256=_sha256(views),
+                    ChecksumSHA256=_checksum(key, views),
                 )
             else:
                 self._put_multipart(target, views, size)
@@ -309,6 +311,14 @@ def whole_object_sha256(head: Mapping[str, Any]) -> str | None:
 
 def _code(err: ClientError) -> str:
     return str(err.response.get("Error", {}).get("Code", ""))
+
+
+def _checksum(key: str, views: Iterable[memoryview]) -> str:
+    """The SHA-256 S3 checks a put's bytes against: a blob's is the one its key names (the
+    agent hashed those bytes to name it, so they are not hashed again, and bytes that
+    changed since are refused), any other object's is computed here."""
+    named = keys.blob_sha256(key)
+    return base64.b64encode(bytes.fromhex(named)).decode() if named else _sha256(views)
 
 
 def _sha256(views: Iterable[memoryview]) -> str:
