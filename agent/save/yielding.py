@@ -12,8 +12,9 @@ loop spends in optimizer steps meanwhile.
 
 Unset, the variable means 1 s in a process that uses CUDA (its forward and backward run on
 a GPU) and no pause in one that trains on the CPU alone: there the forward and backward take
-every core too, and a pause in the step only moves the save's work into them, where it slows
-the loop more (``bench/save_tax.py``: 0.86 against 0.52 s a save). 0 never pauses.
+every core too, so a pause in the step only moves the save's work into them, which gained
+nothing consistent (``bench/save_tax.py``, 3 runs: a tax of 0.86, 0.67 and 0.67 s with it
+against 0.52, 0.77 and 0.72 s without) and made saves durable 15-25% later. 0 never pauses.
 
 Nothing a step waits for pauses: the gate closes in a pre-hook registered after the
 staging's (``StagingArea.before_step`` waits for the overlapped copies and the tensors read in
