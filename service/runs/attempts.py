@@ -191,16 +191,14 @@ def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
 def locked_attempt(
     session: Session, principal: Principal, attempt_id: int
 ) -> tuple[Attempt, Run, int]:
-    """The attempt locked for a change, its run share-locked: the run first, as every
-    other write locks (opening a bundle locks the run, then references the attempt); and
-    the step it resumed from (0: it started fresh). Two statements."""
-    run = repository.get_attempt_run(session, attempt_id=attempt_id)
-    if run is None:
-        raise NotFoundError(f"no attempt with id {attempt_id}")
-    require_write(principal, run.name)
+    """The attempt locked for a change, its run share-locked (the run first, as every other
+    write locks), and the step it resumed from (0: it started fresh). One statement."""
     found = repository.get_attempt_to_change(session, attempt_id=attempt_id)
-    assert found is not None
-    return found[0], run, found[1]
+    if found is None:
+        raise NotFoundError(f"no attempt with id {attempt_id}")
+    run, attempt, start = found
+    require_write(principal, run.name)
+    return attempt, run, start
 
 
 def check_unfenced(attempt: Attempt, run: Run) -> None:

@@ -161,37 +161,29 @@ def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) ->
     return session.scalar(locked(select(Attempt).where(Attempt.id == attempt_id), lock))
 
 
-# The statements of every heartbeat, built once: building one costs more CPU than running it.
+# The statement of every heartbeat, built once: building one costs more CPU than running it.
+# Two locks in one round trip, taken in the order of the FOR clauses (PostgreSQL locks a
+# row's tables in that order): the run first, as every other write locks (opening a bundle
+# locks the run, then references the attempt). SQLite has no row locks (BEGIN IMMEDIATE).
 @functools.cache
-def _attempt_run() -> Select[Run]:
+def _attempt_to_change() -> Select[Run, Attempt, int]:
     return (
-        select(Run)
+        select(Run, Attempt, func.coalesce(Bundle.step, 0))
         .join(Attempt, Attempt.run_id == Run.id)
-        .where(Attempt.id == bindparam("attempt_id"))
-        .with_for_update(read=True, of=Run)
-    )
-
-
-@functools.cache
-def _attempt_to_change() -> Select[Attempt, int]:
-    return (
-        select(Attempt, func.coalesce(Bundle.step, 0))
         .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
         .where(Attempt.id == bindparam("attempt_id"))
-        .with_for_update(key_share=True, of=Attempt)
+        .suffix_with(
+            f"FOR SHARE OF {Run.__tablename__} FOR NO KEY UPDATE OF {Attempt.__tablename__}",
+            dialect="postgresql",
+        )
     )
 
 
-def get_attempt_run(session: Session, *, attempt_id: int) -> Run | None:
-    """The attempt's run, share-locked (the attempt's row is not locked)."""
-    return session.scalar(_attempt_run(), {"attempt_id": attempt_id})
-
-
-def get_attempt_to_change(session: Session, *, attempt_id: int) -> tuple[Attempt, int] | None:
-    """The attempt locked for a change of its non-key columns, and the step it resumed from
-    (0: it started fresh)."""
+def get_attempt_to_change(session: Session, *, attempt_id: int) -> tuple[Run, Attempt, int] | None:
+    """The attempt locked for a change of its non-key columns, its run share-locked, and the
+    step it resumed from (0: it started fresh)."""
     found = session.execute(_attempt_to_change(), {"attempt_id": attempt_id}).first()
-    return (found[0], found[1]) if found else None
+    return (found[0], found[1], found[2]) if found else None
 
 
 def run_attempts(session: Session, *, run_id: int) -> list[Attempt]:
