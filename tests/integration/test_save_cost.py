@@ -147,13 +147,21 @@ def test_the_save_threads_yield_to_training(
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # not the loop's
 
 
-@pytest.mark.parametrize("setting", ["-1", "20", "low"])
-def test_a_bad_niceness_is_refused_at_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str
+NICENESS = r"CKPT_SAVE_NICENESS=.*from 0 .* to 19"
+YIELD = r"CKPT_SAVE_YIELD_SECONDS=.*from 0 \(never pause\) up"
+
+
+@pytest.mark.parametrize(
+    ("variable", "setting", "message"),
+    [("CKPT_SAVE_NICENESS", setting, NICENESS) for setting in ("-1", "20", "low")]
+    + [("CKPT_SAVE_YIELD_SECONDS", setting, YIELD) for setting in ("-1", "soon", "inf", "nan")],
+)
+def test_a_bad_save_priority_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, setting: str, message: str
 ) -> None:
-    monkeypatch.setenv("CKPT_SAVE_NICENESS", setting)
+    monkeypatch.setenv(variable, setting)
     model, optimizer = job()
-    with pytest.raises(ValueError, match=r"CKPT_SAVE_NICENESS=.*from 0 .* to 19"):
+    with pytest.raises(ValueError, match=message):
         open_checkpointer(tmp_path, model, optimizer)
 
 
