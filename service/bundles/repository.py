@@ -17,7 +17,7 @@ from service.models import (
     Save,
     utcnow,
 )
-from service.sql import Lock, insert, locked, one_of
+from service.sql import Lock, ids_in, insert, locked, one_of
 
 # Rows per statement: Postgres takes at most 65535 bind parameters per query.
 _BATCH = 1000
@@ -193,7 +193,8 @@ def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
     for start in range(0, len(ordered), _BATCH):
         chunk = ordered[start : start + _BATCH]
         found.update(
-            (b.sha256, b) for b in session.scalars(select(Blob).where(Blob.sha256.in_(chunk)))
+            (b.sha256, b)
+            for b in session.scalars(select(Blob).where(one_of(session, Blob.sha256, chunk)))
         )
     return found
 
@@ -311,7 +312,7 @@ def complete_users(session: Session, *, shas: Collection[str]) -> list[tuple[Bun
         rows = session.execute(
             select(Layer.bundle_id, LayerBlob.blob_sha256)
             .join(LayerBlob, LayerBlob.layer_id == Layer.id)
-            .where(LayerBlob.blob_sha256.in_(chunk))
+            .where(one_of(session, LayerBlob.blob_sha256, chunk))
             .distinct()
         )
         pairs.update((bundle_id, sha) for bundle_id, sha in rows)
@@ -319,7 +320,7 @@ def complete_users(session: Session, *, shas: Collection[str]) -> list[tuple[Bun
     for ids in _chunks(sorted({bundle_id for bundle_id, _ in pairs})):
         found = session.scalars(
             select(Bundle)
-            .where(Bundle.id.in_(ids), Bundle.status == BundleStatus.COMPLETE)
+            .where(ids_in(session, Bundle.id, ids), Bundle.status == BundleStatus.COMPLETE)
             .order_by(Bundle.id)
             .with_for_update()
         )
@@ -346,8 +347,8 @@ def referenced_by_runs(
                 .join(Layer, Layer.id == LayerBlob.layer_id)
                 .join(Bundle, Bundle.id == Layer.bundle_id)
                 .where(
-                    LayerBlob.blob_sha256.in_(ordered[start : start + _BATCH]),
-                    Bundle.run_id.in_(sorted(run_ids)),
+                    one_of(session, LayerBlob.blob_sha256, ordered[start : start + _BATCH]),
+                    ids_in(session, Bundle.run_id, run_ids),
                     Bundle.status.in_(statuses),
                 )
                 .distinct()
