@@ -47,6 +47,7 @@ from service.runs.endpoints import router as runs_router
 from service.scrub.endpoints import router as scrub_router
 from service.settings import Settings, embedded_admin_token
 from service.ui.endpoints import install as install_dashboard
+from service.yielding import PriorityGate
 
 log = logging.getLogger("ckpt.service")
 
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     app.state.context = context
     app.state.admin_token = admin_token
     app.state.priority_threads = CapacityLimiter(settings.priority_threads)  # deps.Priority
+    app.state.priority_gate = gate = PriorityGate()  # deps.Priority counts, bulk yields
     for router in (
         health_router,
         runs_router,
@@ -86,7 +88,11 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     _handle_errors(app)
     if settings.bulk_concurrency:  # innermost: a request's latency counts its wait
         app.add_middleware(
-            BulkTurns, concurrency=settings.bulk_concurrency, metrics=context.metrics
+            BulkTurns,
+            concurrency=settings.bulk_concurrency,
+            metrics=context.metrics,
+            gate=gate,
+            yield_seconds=settings.bulk_yield_seconds,
         )
     app.add_middleware(_CountRequests, metrics=context.metrics)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)

@@ -19,6 +19,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from service.yielding import step_aside
+
 SLICE = 500  # items per validation call: about 1 ms each
 M = TypeVar("M", bound=BaseModel)
 
@@ -61,9 +63,17 @@ def _loads(body: bytes) -> Any:
             [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
         )
     try:
-        return json.loads(body)
+        # Through a Python hook at each object: the parse, 3-4 ms for 10,000 blobs in one C
+        # call, then lets go of the GIL when another thread asks, and steps aside for a
+        # priority request in flight (service.yielding); 0.7 ms more.
+        return json.loads(body, object_hook=_aside)
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError
         raise not_json(err) from None
+
+
+def _aside(value: dict[str, Any]) -> dict[str, Any]:
+    step_aside()
+    return value
 
 
 def not_json(err: ValueError | RecursionError) -> RequestValidationError:
@@ -106,6 +116,7 @@ def _items(model: type[BaseModel], name: str, values: list[Any]) -> list[Any]:
     adapter = _list_of(item)
     validated: list[Any] = []
     for start in range(0, len(values), SLICE):
+        step_aside()  # for a priority request in flight (service.yielding)
         try:
             validated += adapter.validate_python(values[start : start + SLICE])
         except ValidationError as err:

@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event, exc, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.yielding import step_aside
+
 Transaction = Callable[[], AbstractContextManager[Session]]
 
 
@@ -41,6 +43,7 @@ def make_engine(url: str) -> Engine:
             },
         )
         _ping_when_idle(engine)
+        _aside_between_reads(engine)
         return engine
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
@@ -98,6 +101,17 @@ def _ping_when_idle(engine: Engine) -> None:
             if dialect.is_disconnect(err, connection, None):
                 raise exc.InvalidatePoolError() from err
             raise
+
+
+def _aside_between_reads(engine: Engine) -> None:
+    """Before each statement of a bulk request's ``reads`` (autocommit: no transaction, no
+    lock held between statements), step aside while a priority request is in flight
+    (``service.yielding``)."""
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _aside(connection: Any, *_: Any) -> None:
+        if connection.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+            step_aside()
 
 
 def transactions(engine: Engine) -> Transaction:

@@ -48,6 +48,7 @@ from service.errors import (
 )
 from service.metrics import Metrics
 from service.settings import Settings
+from service.yielding import PriorityGate, turn
 
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 BLOBS_QUERY = "/v1/blobs/missing"
@@ -278,12 +279,23 @@ class Limits:
 class BulkTurns:
     """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
     their turn on the event loop. Inside the body limit, which has read the body: a client
-    that sends its body slowly waits for it without holding a turn."""
+    that sends its body slowly waits for it without holding a turn. The one that runs steps
+    aside for priority requests, ``yield_seconds`` at most (``service.yielding``)."""
 
-    def __init__(self, app: ASGIApp, *, concurrency: int, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        concurrency: int,
+        metrics: Metrics,
+        gate: PriorityGate,
+        yield_seconds: float,
+    ) -> None:
         self.app = app
         self.turns = asyncio.Semaphore(concurrency)
         self.metrics = metrics
+        self.gate = gate
+        self.yield_seconds = yield_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or Head.of(scope).route_class is not RouteClass.BULK:
@@ -295,7 +307,8 @@ class BulkTurns:
         finally:
             self.metrics.bulk_waiting.dec()
         try:
-            await self.app(scope, receive, send)
+            with turn(self.gate, self.metrics, self.yield_seconds):
+                await self.app(scope, receive, send)
         finally:
             self.turns.release()
 

@@ -67,6 +67,17 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        self.bulk_yielding = Gauge(
+            "ckpt_bulk_yielding",
+            "bulk requests paused while a priority request is in flight (CKPT_BULK_YIELD_SECONDS)",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.bulk_yield_seconds = Counter(
+            "ckpt_bulk_yield_seconds",
+            "seconds bulk requests have paused for priority requests in flight",
+            registry=self.registry,
+        )
         self.refused = Counter(
             "ckpt_requests_refused",
             "requests the limits refused before reading them, by error and route class",

@@ -76,6 +76,9 @@ class Settings:
             process; the others wait their turn on the event loop, holding no worker thread
             and no share of the CPU or of the GIL, which the priority class then finds
             free (``CKPT_BULK_CONCURRENCY``, default 1, 0: all at once). Per replica.
+        bulk_yield_seconds: how long in all a bulk request that runs may pause, at points
+            where it holds no lock, while a priority request is in flight in the process
+            (``CKPT_BULK_YIELD_SECONDS``, default 0.5, 0 turns it off).
         priority_threads: worker threads of the process kept for the priority class
             (``/resumable``, heartbeats, registering an attempt), which no other request
             takes: they are served while every other thread waits on bulk work
@@ -112,6 +115,7 @@ class Settings:
     max_expensive_per_token: int = 8
     max_bulk_in_flight: int = 16
     bulk_concurrency: int = 1
+    bulk_yield_seconds: float = 0.5
     priority_threads: int = 8
     gc_batch_bundles: int = 1000
     fingerprint_ring: int = 2048
@@ -122,6 +126,7 @@ class Settings:
             "scrub_interval_seconds",
             "pending_ttl_seconds",
             "blob_grace_seconds",
+            "bulk_yield_seconds",
         ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):

@@ -18,19 +18,26 @@ from service.bundles.isolation import written_since
 from service.completeness import StoredBlob
 from service.errors import StoreUnavailableError
 from service.metrics import Metrics
+from service.yielding import step_aside
 
 T = TypeVar("T")
 _STORE_THREADS = 16  # S3 answers a HEAD in tens of milliseconds: a commit waits on many
+_LOCAL_GROUP = 250  # a directory's stats between two pause points: about 4 ms
 
 
 def _each(store: ObjectStore, action: Callable[[str], T], shas: Iterable[str]) -> list[T]:
     """``action`` of every blob, in order: on up to ``_STORE_THREADS`` threads, one task per
     group of blobs, for a store that answers over the network; in this thread for a
     directory (its stat is a local call: threads would only contend for the GIL, 1,000
-    stats took 28 ms on 16 threads and 17 ms on one)."""
+    stats took 28 ms on 16 threads and 17 ms on one), stepping aside between groups for a
+    priority request in flight (``service.yielding``: callers hold no transaction)."""
     order = list(shas)
     if isinstance(store, DirectoryStore):
-        return [action(sha) for sha in order]
+        found: list[T] = []
+        for start in range(0, len(order), _LOCAL_GROUP):
+            step_aside()
+            found += [action(sha) for sha in order[start : start + _LOCAL_GROUP]]
+        return found
     size = max(1, -(-len(order) // _STORE_THREADS))
     groups = [order[start : start + size] for start in range(0, len(order), size)]
     done = parallel(lambda group: [action(sha) for sha in group], groups, threads=_STORE_THREADS)

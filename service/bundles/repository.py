@@ -188,8 +188,10 @@ def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:
 
 
 def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
+    """The catalog's rows of these blobs (those it has). Read in any order: nothing is
+    locked (a ``sorted`` of 10,000 would hold the GIL 2 ms)."""
     found: dict[str, Blob] = {}
-    ordered = sorted(shas)
+    ordered = list(shas)
     for start in range(0, len(ordered), _BATCH):
         chunk = ordered[start : start + _BATCH]
         found.update(
@@ -337,9 +339,9 @@ def referenced_by_runs(
     session: Session, *, run_ids: Collection[int], shas: Collection[str], statuses: Collection[str]
 ) -> set[str]:
     """Those of these blobs that a layer of a bundle of these runs, in these statuses,
-    references."""
+    references. Read in any order: nothing is locked."""
     found: set[str] = set()
-    ordered = sorted(shas)
+    ordered = list(shas)
     for start in range(0, len(ordered), _BATCH):
         found.update(
             session.scalars(

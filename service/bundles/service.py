@@ -34,6 +34,7 @@ from service.metrics import Metrics
 from service.models import Attempt, Bundle, BundleStatus, Run
 from service.runs import repository as runs_repository
 from service.sql import Lock
+from service.yielding import sorted_in_steps
 
 
 def open_bundle(
@@ -154,7 +155,7 @@ def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> 
     """
     require_writer(principal)
     sizes = {blob.sha256: blob.size for blob in query.blobs}
-    with context.transaction() as session:
+    with context.read() as session:
         candidates = _candidates(session, principal, shas=sizes)
     found = stored_sizes(context.store, candidates)
     present = {sha: sizes[sha] for sha in candidates if found[sha] == sizes[sha]}
@@ -164,7 +165,7 @@ def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> 
     # under the blob's row lock, which the claim takes): read again what was claimed.
     again = stored_sizes(context.store, present)
     held = {sha for sha, size in present.items() if again[sha] == size}
-    return BlobsMissing(missing=sorted(set(sizes) - held))
+    return BlobsMissing(missing=sorted_in_steps(set(sizes) - held))
 
 
 def _candidates(session: Session, principal: Principal, *, shas: Collection[str]) -> list[str]:

@@ -34,7 +34,7 @@ def record(
 def bundle_events(
     context: Context, principal: Principal, *, bundle_id: int, after: int | None, limit: int
 ) -> EventPage:
-    with context.transaction() as session:
+    with context.read() as session:
         bundle = bundles_repository.get_bundle(session, bundle_id=bundle_id)
         if bundle is None:
             raise NotFoundError(f"no bundle with id {bundle_id}")
@@ -48,7 +48,7 @@ def run_events(
     context: Context, principal: Principal, *, name: str, after: int | None, limit: int
 ) -> EventPage:
     require_read(principal, name)
-    with context.transaction() as session:
+    with context.read() as session:
         run = runs_repository.get_run(session, name=name)
         if run is None:
             raise NotFoundError(f"no run named {name!r}")

@@ -66,7 +66,7 @@ def list_runs(
         prefix_ok = prefix is None or principal.run.startswith(prefix)
         after_ok = after is None or principal.run > after
         names = [principal.run] if prefix_ok and after_ok else []
-    with context.transaction() as session:
+    with context.read() as session:
         if principal.role is Role.RUN:
             runs = [r for name in names if (r := repository.get_run(session, name=name))]
         else:
@@ -140,7 +140,7 @@ def run_goodput(context: Context, principal: Principal, *, name: str) -> RunGood
 
 def get_lineage(context: Context, principal: Principal, *, name: str) -> Lineage:
     require_read(principal, name)
-    with context.transaction() as session:
+    with context.read() as session:
         run = _run(session, name)
         bundles = repository.lineage_bundles(session, run_id=run.id, columns=BUNDLE_FIELDS)
         nodes = {b.id: node(b) for b in bundles}
@@ -165,7 +165,7 @@ def lineage_page(
     the live branch, attempts, edges, rollbacks and forks that concern them. Its cost grows
     with the page, not with the run (the live branch is walked in SQL down to the page)."""
     require_read(principal, name)
-    with context.transaction() as session:
+    with context.read() as session:
         run = _run(session, name)
         rows = repository.lineage_bundles(
             session, run_id=run.id, columns=BUNDLE_FIELDS, before=before, limit=limit + 1
