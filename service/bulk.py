@@ -14,7 +14,7 @@ import json
 from typing import Any, TypeVar, get_args
 
 from annotated_types import MaxLen
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -41,6 +41,15 @@ def parse_json(body: bytes, model: type[M]) -> M:
         return model.model_validate(data)
     except ValidationError as err:
         raise RequestValidationError(_located(err.errors(), ("body",)), body=data) from err
+
+
+def rendered(model: BaseModel) -> Response:
+    """``model`` as the JSON answer FastAPI would send, serialized here, on the worker thread,
+    after a pause for a priority request in flight (``service.yielding``): FastAPI would
+    serialize it on the event loop, which no other request passes meanwhile (1 ms for an
+    answer of 10,000 blobs). A route that returns it names its ``response_model``."""
+    step_aside()
+    return Response(model.model_dump_json(by_alias=True), media_type="application/json")
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 from ckpt.core.contract import Layer, SaveFigures
-from service.bulk import json_body, parse_body
+from service.bulk import json_body, parse_body, rendered
 from service.bundles import quarantine as quarantines
 from service.bundles import service
 from service.bundles.commit import commit_bundle
@@ -113,16 +113,20 @@ def report_save(
 
 @router.post(
     "/blobs/missing",
+    response_model=BlobsMissing,
     openapi_extra=json_body(BlobsQuery),
     responses=responses(ForbiddenError, InvalidRequestError, StoreUnavailableError),
 )
-async def blobs_missing(
-    request: Request, principal: PrincipalDep, context: ContextDep
-) -> BlobsMissing:
+async def blobs_missing(request: Request, principal: PrincipalDep, context: ContextDep) -> Response:
     """Which of these blobs the store does not hold yet (upload those)."""
-    # Up to 10,000 blobs: parsed on a worker thread, in slices (bulk.py), not on the event loop.
+    # Up to 10,000 blobs: parsed and answered on a worker thread, in slices (bulk.py), not
+    # on the event loop.
     query = await parse_body(request, BlobsQuery)
-    return await run_in_threadpool(service.blobs_missing, context, principal, query)
+
+    def answer() -> Response:
+        return rendered(service.blobs_missing(context, principal, query))
+
+    return await run_in_threadpool(answer)
 
 
 @router.post(

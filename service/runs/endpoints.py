@@ -3,8 +3,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
+from service.bulk import rendered
 from service.deps import ContextDep, IdPath, PrincipalDep, PriorityDep, RunPath
 from service.errors import (
     ConflictError,
@@ -52,7 +53,7 @@ def create_run(request: RunCreate, principal: PrincipalDep, context: ContextDep)
     return service.create_run(context, principal, request)
 
 
-@router.get("/runs", responses=responses(InvalidRequestError))
+@router.get("/runs", response_model=RunPage, responses=responses(InvalidRequestError))
 def list_runs(
     principal: PrincipalDep,
     context: ContextDep,
@@ -63,9 +64,9 @@ def list_runs(
     prefix: Annotated[
         str | None, Query(max_length=128, pattern=PRINTABLE, description="names starting with this")
     ] = None,
-) -> RunPage:
+) -> Response:
     """Runs by name, a page at a time."""
-    return service.list_runs(context, principal, after=after, limit=limit, prefix=prefix)
+    return rendered(service.list_runs(context, principal, after=after, limit=limit, prefix=prefix))
 
 
 @router.get("/runs/{run}", responses=responses(*ONE))
@@ -152,7 +153,7 @@ async def resumable(run: RunPath, priority: PriorityDep) -> ResumePoint:
     return await priority.serve(partial(service.resumable, name=run))
 
 
-@router.get("/runs/{run}/lineage", responses=responses(*ONE))
+@router.get("/runs/{run}/lineage", response_model=Lineage, responses=responses(*ONE))
 def lineage(
     run: RunPath,
     principal: PrincipalDep,
@@ -163,12 +164,14 @@ def lineage(
     before: Annotated[
         int | None, Query(ge=1, description="the page of bundles older than this id: next_before")
     ] = None,
-) -> Lineage:
+) -> Response:
     """Attempts, bundles, parent and resume edges, rollbacks and forks of the run; with
     ``limit``, a page of its newest bundles (before ``before``) and what concerns them."""
     if limit is None and before is None:
-        return service.get_lineage(context, principal, name=run)
-    return service.lineage_page(context, principal, name=run, limit=limit or 1000, before=before)
+        return rendered(service.get_lineage(context, principal, name=run))
+    return rendered(
+        service.lineage_page(context, principal, name=run, limit=limit or 1000, before=before)
+    )
 
 
 @router.get("/runs/{run}/preemption-rate", responses=responses(*ONE))
