@@ -3,9 +3,11 @@ resume, for the tests that a resume's verification catches it on every rank it h
 ``python -m tests.integration.flawed_ranks --flaw FLAW --flaw-rank R ARGS...`` with FLAW one of
 
     none        the job as it is
-    leaky-rng   rank R moves its inputs by a draw from a ``random.Random`` that ckpt does not
-                capture: a resumed attempt draws from its seed again, not where the
-                interrupted one was
+    leaky-rng   rank R moves each sample of its inputs by its own multiple of a draw from a
+                ``random.Random`` that ckpt does not capture: a resumed attempt draws from
+                its seed again, not where the interrupted one was (one shift for the whole
+                batch would vanish in the model's batch norm, but for its rounding, which
+                differs between CPUs)
     optimizer   rank R scales its restored Adam first moment by 1.01 (a damaged optimizer
                 layer on one rank)
 """
@@ -27,12 +29,14 @@ LEAK = random.Random(5)  # the flawed rank's own generator, in no bundle
 
 
 def leaky(flaw_rank: int) -> Any:
-    """``ranks.train_micro_batch`` whose inputs, on ``flaw_rank``, move by a leaked draw."""
+    """``ranks.train_micro_batch`` whose inputs, on ``flaw_rank``, move by a leaked draw
+    (sample i by i times it)."""
     train_micro_batch = ranks.train_micro_batch
 
     def moved(job: ranks.Job, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         if dist.get_rank() == flaw_rank:
-            inputs = inputs + LEAK.random()
+            ramp = torch.arange(len(inputs), dtype=inputs.dtype).unsqueeze(1)
+            inputs = inputs + LEAK.random() * ramp
         train_micro_batch(job, inputs, labels)
 
     return moved
