@@ -5,6 +5,8 @@ FastAPI parses and validates a body on the event loop, in one call that holds th
 included, is answered. ``parse_body`` does the same work on a worker thread, a slice of
 ``SLICE`` items per call, so that the event loop waits for the GIL at most one slice long.
 Its errors are FastAPI's own (``RequestValidationError``, answered 422 by the one handler).
+Between slices, a bulk request steps aside for priority requests in flight
+(``service.yielding``), and ``rendered`` serializes its answer on the worker thread too.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ the server from the others (nor from its probes).
   the others wait their turn here, on the event loop. A bulk request that runs holds the
   GIL in slices and a core; two or more running at once leave the priority class's
   threads waiting for both at every query they make.
+- **Bulk steps aside**: the one that runs pauses while a priority request is in flight,
+  ``CKPT_BULK_YIELD_SECONDS`` in all at most (``service.yielding``).
 - **Blob queries**: a ``/v1/blobs/missing`` body of more than ``MAX_BLOBS_QUERY_BYTES`` is
   refused (413) before it is parsed; the schema then caps the list at 10,000 blobs.
 
