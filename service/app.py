@@ -72,7 +72,6 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     app.state.context = context
     app.state.admin_token = admin_token
     app.state.priority_threads = CapacityLimiter(settings.priority_threads)  # deps.Priority
-    app.state.priority_gate = gate = PriorityGate()  # deps.Priority counts, bulk yields
     for router in (
         health_router,
         runs_router,
@@ -91,7 +90,7 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
             BulkTurns,
             concurrency=settings.bulk_concurrency,
             metrics=context.metrics,
-            gate=gate,
+            gate=PriorityGate(),
             yield_seconds=settings.bulk_yield_seconds,
         )
     app.add_middleware(_CountRequests, metrics=context.metrics)

@@ -17,7 +17,6 @@ from service.auth.service import Principal, authenticate
 from service.context import Context
 from service.names import MAX_ID, MAX_RANK, RUN_NAME_PATTERN
 from service.settings import admin_tokens
-from service.yielding import PriorityGate
 
 T = TypeVar("T")
 
@@ -68,7 +67,6 @@ class Priority:
     authorization: str | None
     admin_tokens: tuple[str, ...]
     threads: CapacityLimiter
-    gate: PriorityGate
 
     async def serve(self, work: Callable[[Context, Principal], T]) -> T:
         """``work(context, principal)`` in a priority thread."""
@@ -79,8 +77,7 @@ class Priority:
             )
             return work(self.context, principal)
 
-        with self.gate.serving():  # bulk requests step aside meanwhile (service.yielding)
-            return await anyio.to_thread.run_sync(authenticated, limiter=self.threads)
+        return await anyio.to_thread.run_sync(authenticated, limiter=self.threads)
 
 
 async def get_priority(
@@ -94,7 +91,6 @@ async def get_priority(
         authorization=authorization,
         admin_tokens=admin_tokens(request.app.state.admin_token),
         threads=request.app.state.priority_threads,
-        gate=request.app.state.priority_gate,
     )
 
 

@@ -282,7 +282,8 @@ class BulkTurns:
     """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
     their turn on the event loop. Inside the body limit, which has read the body: a client
     that sends its body slowly waits for it without holding a turn. The one that runs steps
-    aside for priority requests, ``yield_seconds`` at most (``service.yielding``)."""
+    aside, ``yield_seconds`` at most (``service.yielding``), while a priority request is
+    in flight here: routed, worked on or answered."""
 
     def __init__(
         self,
@@ -300,7 +301,12 @@ class BulkTurns:
         self.yield_seconds = yield_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or Head.of(scope).route_class is not RouteClass.BULK:
+        route_class = Head.of(scope).route_class if scope["type"] == "http" else None
+        if route_class is RouteClass.PRIORITY:  # in flight, from here to its answer sent
+            with self.gate.serving():
+                await self.app(scope, receive, send)
+            return
+        if route_class is not RouteClass.BULK:
             await self.app(scope, receive, send)
             return
         self.metrics.bulk_waiting.inc()

@@ -77,7 +77,8 @@ class Settings:
             and no share of the CPU or of the GIL, which the priority class then finds
             free (``CKPT_BULK_CONCURRENCY``, default 1, 0: all at once). Per replica.
         bulk_yield_seconds: how long in all a bulk request that runs may pause, at points
-            where it holds no lock, while a priority request is in flight in the process
+            where it holds no lock, while a priority request (``/resumable``, a heartbeat,
+            a commit) is in flight in the process
             (``CKPT_BULK_YIELD_SECONDS``, default 0.5, 0 turns it off).
         priority_threads: worker threads of the process kept for the priority class
             (``/resumable``, heartbeats, registering an attempt), which no other request
