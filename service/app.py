@@ -39,7 +39,7 @@ from service.errors import (
 from service.events.endpoints import router as events_router
 from service.gc.endpoints import router as gc_router
 from service.health import router as health_router
-from service.limits import BulkTurns, Limits, token_limits
+from service.limits import Limits, token_limits
 from service.logsafe import protect
 from service.metrics import Metrics, process_exited
 from service.periodic import Periodic, periodic_tasks, run_once
@@ -47,7 +47,7 @@ from service.runs.endpoints import router as runs_router
 from service.scrub.endpoints import router as scrub_router
 from service.settings import Settings, embedded_admin_token
 from service.ui.endpoints import install as install_dashboard
-from service.yielding import PriorityGate
+from service.yielding import BulkTurns, PriorityGate
 
 log = logging.getLogger("ckpt.service")
 

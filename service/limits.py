@@ -11,12 +11,9 @@ the server from the others (nor from its probes).
 - **Bulk requests in flight**: at most ``CKPT_MAX_BULK_IN_FLIGHT`` (by weight) in the
   process, whatever their tokens, so that the priority class (``/resumable``, heartbeats,
   commits) always finds worker threads and cores free. Beyond: the same 429.
-- **Bulk requests running**: of those admitted, ``CKPT_BULK_CONCURRENCY`` (1) run at once;
-  the others wait their turn here, on the event loop. A bulk request that runs holds the
-  GIL in slices and a core; two or more running at once leave the priority class's
-  threads waiting for both at every query they make.
-- **Bulk steps aside**: the one that runs pauses while a priority request is in flight,
-  ``CKPT_BULK_YIELD_SECONDS`` in all at most (``service.yielding``).
+- **Bulk requests running**: of those admitted, ``CKPT_BULK_CONCURRENCY`` (1) run at once,
+  and the one that runs steps aside while a priority request is in flight
+  (``service.yielding``).
 - **Blob queries**: a ``/v1/blobs/missing`` body of more than ``MAX_BLOBS_QUERY_BYTES`` is
   refused (413) before it is parsed; the schema then caps the list at 10,000 blobs.
 
@@ -50,7 +47,6 @@ from service.errors import (
 )
 from service.metrics import Metrics
 from service.settings import Settings
-from service.yielding import PriorityGate, turn
 
 PROBES = frozenset({"/healthz", "/readyz", "/metrics"})
 BLOBS_QUERY = "/v1/blobs/missing"
@@ -276,49 +272,6 @@ class Limits:
         if head.method == "POST" and head.path == BLOBS_QUERY:
             receive = await _capped_body(receive, head.body_bytes, cap=MAX_BLOBS_QUERY_BYTES)
         return receive, self.limits.admit_ticket(key, head, now=now)
-
-
-class BulkTurns:
-    """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
-    their turn on the event loop. Inside the body limit, which has read the body: a client
-    that sends its body slowly waits for it without holding a turn. The one that runs steps
-    aside, ``yield_seconds`` at most (``service.yielding``), while a priority request is
-    in flight here: routed, worked on or answered."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        concurrency: int,
-        metrics: Metrics,
-        gate: PriorityGate,
-        yield_seconds: float,
-    ) -> None:
-        self.app = app
-        self.turns = asyncio.Semaphore(concurrency)
-        self.metrics = metrics
-        self.gate = gate
-        self.yield_seconds = yield_seconds
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route_class = Head.of(scope).route_class if scope["type"] == "http" else None
-        if route_class is RouteClass.PRIORITY:  # in flight, from here to its answer sent
-            with self.gate.serving():
-                await self.app(scope, receive, send)
-            return
-        if route_class is not RouteClass.BULK:
-            await self.app(scope, receive, send)
-            return
-        self.metrics.bulk_waiting.inc()
-        try:
-            await self.turns.acquire()
-        finally:
-            self.metrics.bulk_waiting.dec()
-        try:
-            with turn(self.gate, self.metrics, self.yield_seconds):
-                await self.app(scope, receive, send)
-        finally:
-            self.turns.release()
 
 
 def _limited(scope: Scope) -> bytes | None:

@@ -8,9 +8,12 @@ stats, between its reads), while any priority request is in flight in the proces
 at most ``CKPT_BULK_YIELD_SECONDS`` in all: the priority request runs alone, and a bulk
 request is answered that much later at most, however many priority requests come.
 
-``PriorityGate`` counts the priority requests (``deps.Priority``); ``BulkTurns`` gives each
-bulk request its budget (``turn``); the bulk code calls ``step_aside`` at its pause points,
-which does nothing outside a bulk request or on the event loop.
+``BulkTurns``, an ASGI middleware, runs ``CKPT_BULK_CONCURRENCY`` (1) bulk requests at once:
+one that runs holds the GIL in slices and a core, and two or more leave the priority
+class's threads waiting for both at every query they make. It counts the priority requests
+in flight in ``PriorityGate`` and gives each bulk request its budget (``turn``); the bulk
+code calls ``step_aside`` at its pause points, which does nothing outside a bulk request or
+on the event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.admission import Head, RouteClass
 from service.metrics import Metrics
 
 
@@ -95,6 +101,49 @@ def step_aside() -> None:
         current.metrics.bulk_yielding.dec()
     current.budget -= waited
     current.metrics.bulk_yield_seconds.inc(waited)
+
+
+class BulkTurns:
+    """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
+    their turn on the event loop. Inside the body limit, which has read the body: a client
+    that sends its body slowly waits for it without holding a turn. The one that runs steps
+    aside, ``yield_seconds`` at most (``service.yielding``), while a priority request is
+    in flight here: routed, worked on or answered."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        concurrency: int,
+        metrics: Metrics,
+        gate: PriorityGate,
+        yield_seconds: float,
+    ) -> None:
+        self.app = app
+        self.turns = asyncio.Semaphore(concurrency)
+        self.metrics = metrics
+        self.gate = gate
+        self.yield_seconds = yield_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route_class = Head.of(scope).route_class if scope["type"] == "http" else None
+        if route_class is RouteClass.PRIORITY:  # in flight, from here to its answer sent
+            with self.gate.serving():
+                await self.app(scope, receive, send)
+            return
+        if route_class is not RouteClass.BULK:
+            await self.app(scope, receive, send)
+            return
+        self.metrics.bulk_waiting.inc()
+        try:
+            await self.turns.acquire()
+        finally:
+            self.metrics.bulk_waiting.dec()
+        try:
+            with turn(self.gate, self.metrics, self.yield_seconds):
+                await self.app(scope, receive, send)
+        finally:
+            self.turns.release()
 
 
 def sorted_in_steps(words: Iterable[str]) -> list[str]:
