@@ -40,9 +40,21 @@ def differences(reference: dict[str, Any], resumed: dict[str, Any]) -> list[str]
         found.append("the resumed run's (step, micro step) sequence differs")
     elif not torch.equal(reference["losses"][-count:], resumed["losses"]):
         found.append("the per-micro-batch loss sequence differs")
+        found.append(_first_divergence(reference["losses"][-count:], resumed))
     if reference["record_lrs"][-count:] != resumed["record_lrs"]:
         found.append("the per-step learning rates differ")
     return found
+
+
+def _first_divergence(expected: torch.Tensor, resumed: dict[str, Any]) -> str:
+    """Where the resumed losses first leave the reference's: at the first micro-batch after
+    the bundle, the resume restored something else; later, something drifted."""
+    first = int((expected != resumed["losses"]).nonzero()[0, 0])
+    step, micro = resumed["positions"][first]
+    return (
+        f"first at micro-batch {first} of the resume (step {step}, micro step {micro}): "
+        f"{float(expected[first])!r} != {float(resumed['losses'][first])!r}"
+    )
 
 
 def save_final(state: dict[str, Any], path: Path | str) -> None:

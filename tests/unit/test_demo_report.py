@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from agent.demo.compare import differences
 from agent.demo.report import (
     ckpt_command,
     format_attempt,
@@ -187,3 +188,24 @@ def test_the_verdict_on_many_ranks_covers_every_rank(
     assert report(tmp_path, facts, sigterms=0, kill_upload_at=5, nproc=2) == 1
     out = capsys.readouterr().out
     assert "BIT-EXACT: NO\n  - rank 1: parameter/buffer w differs\n" in out
+
+
+def test_a_differing_loss_sequence_says_where_it_first_differs() -> None:
+    def run(losses: list[float]) -> dict[str, Any]:
+        positions = [(step, micro) for step in range(1, 3) for micro in range(2)]
+        return {
+            "model": {},
+            "optimizer": {},
+            "lr": [0.1],
+            "scaler": {},
+            "positions": positions[-len(losses) :],
+            "losses": torch.tensor(losses, dtype=torch.float64),
+            "record_lrs": [0.1] * len(losses),
+        }
+
+    reference = run([1.0, 0.5, 0.25, 0.125])
+    assert differences(reference, run([0.5, 0.25, 0.125])) == []
+    assert differences(reference, run([0.5, 0.25, 0.1])) == [
+        "the per-micro-batch loss sequence differs",
+        "first at micro-batch 2 of the resume (step 2, micro step 1): 0.125 != 0.1",
+    ]
