@@ -50,9 +50,8 @@ def _first_divergence(expected: torch.Tensor, resumed: dict[str, Any]) -> str:
     """Where the resumed losses first leave the reference's: at the first micro-batch after
     the bundle, the resume restored something else; later, something drifted."""
     first = int((expected != resumed["losses"]).nonzero()[0, 0])
-    step, micro = resumed["positions"][first]
     return (
-        f"first at micro-batch {first} of the resume (step {step}, micro step {micro}): "
+        f"first at micro-batch {first} of the resume, position {resumed['positions'][first]}: "
         f"{float(expected[first])!r} != {float(resumed['losses'][first])!r}"
     )
 

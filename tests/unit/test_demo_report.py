@@ -207,5 +207,5 @@ def test_a_differing_loss_sequence_says_where_it_first_differs() -> None:
     assert differences(reference, run([0.5, 0.25, 0.125])) == []
     assert differences(reference, run([0.5, 0.25, 0.1])) == [
         "the per-micro-batch loss sequence differs",
-        "first at micro-batch 2 of the resume (step 2, micro step 1): 0.125 != 0.1",
+        "first at micro-batch 2 of the resume, position (2, 1): 0.125 != 0.1",
     ]
