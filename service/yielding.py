@@ -107,7 +107,7 @@ class BulkTurns:
     """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
     their turn on the event loop. Inside the body limit, which has read the body: a client
     that sends its body slowly waits for it without holding a turn. The one that runs steps
-    aside, ``yield_seconds`` at most (``service.yielding``), while a priority request is
+    aside (``step_aside``), ``yield_seconds`` in all at most, while a priority request is
     in flight here: routed, worked on or answered."""
 
     def __init__(
