@@ -20,6 +20,7 @@ import pytest
 
 from agent.attempt.signals import EXIT_PREEMPTED
 from agent.demo.compare import differences
+from ckpt.core.contract import Layer, Manifest
 from tests.conftest import run_trainer
 from tests.integration.test_preemption import bundle_steps
 
@@ -43,9 +44,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def augmented_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("augmented")
-    return train(root / "store", root / "reference.pt", *WORKER_AUGMENTS)
+def augmented_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the augmented reference run keeps its bundles (every 3 steps)."""
+    return tmp_path_factory.mktemp("augmented") / "store"
+
+
+@pytest.fixture(scope="module")
+def augmented_reference(augmented_store: Path) -> dict[str, Any]:
+    return train(augmented_store, augmented_store.parent / "reference.pt", *WORKER_AUGMENTS)
 
 
 @pytest.fixture(scope="module")
@@ -96,14 +102,32 @@ def test_a_run_killed_mid_epoch_resumes_bit_exactly_without_loading_what_it_had_
     assert resumed["fetched"] == reference["fetched"][consumed:]
 
 
+def trained_blobs(store: Path, step: int) -> dict[tuple[int, Layer], list[str]]:
+    """The blobs of the weights and the optimizer in the bundle at ``step``, by rank."""
+    for path in (store / "runs" / "hf").rglob("manifest.json"):
+        manifest = Manifest.model_validate_json(path.read_text())
+        if manifest.position == (step, 0):
+            return {
+                (rank.rank, layer): [blob.sha256 for blob in record.blobs]
+                for rank in manifest.ranks
+                for layer, record in rank.layers.items()
+                if layer in (Layer.WEIGHTS, Layer.OPTIMIZER)
+            }
+    raise AssertionError(f"no bundle at step {step} in {store}")
+
+
 def test_sigterm_saves_at_the_next_step_exits_and_the_resume_is_bit_exact(
-    augmented_reference: dict[str, Any], tmp_path: Path
+    augmented_reference: dict[str, Any], augmented_store: Path, tmp_path: Path
 ) -> None:
     store = tmp_path / "first"
     signal = ("--signal-at", "10")
     train(store, tmp_path / "unused.pt", *WORKER_AUGMENTS, *signal, expect_rc=EXIT_PREEMPTED)
     # Step 11 is the last of epoch 1, of one micro-batch.
     assert bundle_steps(store, run="hf") == [3, 6, 9, 11]
+    # Up to the signal both runs trained alike (else the resume below has no chance: the
+    # training itself, not ckpt, differs between processes).
+    for step in (3, 6, 9):
+        assert trained_blobs(store, step) == trained_blobs(augmented_store, step), step
     resumed = resume(store, tmp_path, *WORKER_AUGMENTS)
     assert resumed["positions"][0] == (11, 0)
     assert_bit_exact(augmented_reference, resumed)
