@@ -10,6 +10,7 @@ TEMPLATE is a ``torch.save`` of ``{key: tensor}`` with the DCP keys wanted (``mo
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -42,6 +43,11 @@ def main(folder: str, template: str, out: str) -> None:
     }
     if dist.get_rank() == 0:
         torch.save(loaded, out)
+    # The DTensors and the work of their last collectives, freed while the interpreter is
+    # whole: left to its exit, a gloo rank may abort ("terminate called without an active
+    # exception", as one did on CI; pytorch/pytorch#179291, as in agent/demo/ranks.py).
+    del state, loaded
+    gc.collect()
     dist.destroy_process_group()
 
 
