@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Engine
 
 from ckpt.core.storage import ObjectStore, open_store
+from service.auth.cache import TokenCache
 from service.db import Transaction, make_engine, reads, transactions
 from service.metrics import Metrics
 from service.settings import Settings
@@ -19,6 +20,7 @@ class Context:
     transaction: Transaction
     read: Transaction  # a read that takes no lock (``service.db.reads``)
     store: ObjectStore
+    tokens: TokenCache
     metrics: Metrics = field(default_factory=Metrics)
 
     @classmethod
@@ -30,6 +32,7 @@ class Context:
             transaction=transactions(engine),
             read=reads(engine),
             store=open_store(settings.store),
+            tokens=TokenCache(settings.token_cache_seconds),
         )
 
     def close(self) -> None:

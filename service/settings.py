@@ -84,6 +84,10 @@ class Settings:
             (``/resumable``, heartbeats, registering an attempt), which no other request
             takes: they are served while every other thread waits on bulk work
             (``CKPT_PRIORITY_THREADS``, default 8).
+        token_cache_seconds: how long the process keeps a catalog token it authenticated,
+            so that a job's heartbeats and ``/resumable`` do not read it each time; a token
+            revoked through another replica or worker still works here for up to this long
+            (``CKPT_TOKEN_CACHE_SECONDS``, default 2, 0 turns it off). Per process.
         gc_batch_bundles: how many bundles one GC transaction deletes at most; a pass over
             a larger backlog deletes it in as many short transactions
             (``CKPT_GC_BATCH_BUNDLES``, default 1000).
@@ -118,6 +122,7 @@ class Settings:
     bulk_concurrency: int = 1
     bulk_yield_seconds: float = 0.5
     priority_threads: int = 8
+    token_cache_seconds: float = 2.0
     gc_batch_bundles: int = 1000
     fingerprint_ring: int = 2048
 
@@ -128,6 +133,7 @@ class Settings:
             "pending_ttl_seconds",
             "blob_grace_seconds",
             "bulk_yield_seconds",
+            "token_cache_seconds",
         ):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):

@@ -54,7 +54,8 @@ def authenticate(
     context: Context, *, authorization: str | None, admin_tokens: Sequence[str]
 ) -> Principal:
     """The principal behind an ``Authorization: Bearer ...`` header: one of the configured
-    ``admin_tokens``, or an unexpired token of the catalog."""
+    ``admin_tokens``, or an unexpired token of the catalog (``context.tokens`` keeps those
+    seen lately: ``service.auth.cache``)."""
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise UnauthorizedError(
@@ -64,8 +65,12 @@ def authenticate(
     token = token.strip()
     if _is_admin(token, admin_tokens):
         return Principal(name="admin", role=Role.ADMIN)
+    token_hash = hash_token(token)
+    known = context.tokens.get(token_hash)
+    if known is not None:
+        return known
     with context.read() as session:
-        found = repository.find_token(session, token_hash=hash_token(token))
+        found = repository.find_token(session, token_hash=token_hash)
         if found is None:
             raise UnauthorizedError("unknown or revoked token")
         if found.expires_at is not None and found.expires_at <= utcnow():
@@ -73,9 +78,11 @@ def authenticate(
                 f"token {found.id} ({found.name}) expired at {found.expires_at:%Y-%m-%d %H:%M:%S} "
                 "UTC: ask an admin for a new one ('ckpt token create --expires-in ...')"
             )
-        return Principal(
+        principal = Principal(
             name=found.name, role=Role(found.role), run=found.run_name, token_id=found.id
         )
+    context.tokens.put(token_hash, principal, expires_at=found.expires_at)
+    return principal
 
 
 def _is_admin(token: str, admin_tokens: Sequence[str]) -> bool:
@@ -136,7 +143,9 @@ def revoke_token(context: Context, *, token_id: int) -> TokenOut:
             raise NotFoundError(f"no token with id {token_id}")
         if token.revoked_at is None:
             token.revoked_at = utcnow()
-        return _out(token)
+        revoked = _out(token)
+    context.tokens.forget(token_id)  # committed: a request now reads the revocation
+    return revoked
 
 
 def _out(token: Token) -> TokenOut:

@@ -182,8 +182,14 @@ def test_cli_lists_and_revokes_tokens(server: Server, run_name: str, tmp_path: P
     assert revoked.stdout.startswith(
         f"revoked run token {trainer} (trainer) for run {run_name} at "
     )
+    # The CLI writes the catalog: the server refuses the token once it no longer keeps it
+    # (CKPT_TOKEN_CACHE_SECONDS: test_token_cache.py).
+    deadline = time.monotonic() + server.context.settings.token_cache_seconds + 10
     with server.client(secrets[0]) as client:
-        assert client.get(f"/v1/runs/{run_name}").status_code == 401
+        while (answer := client.get(f"/v1/runs/{run_name}")).status_code == 200:
+            assert time.monotonic() < deadline, "the revoked token is still served"
+            time.sleep(0.05)
+        assert answer.status_code == 401, answer.text
     with server.client(secrets[1]) as client:
         assert client.get(f"/v1/runs/{run_name}").status_code == 200
     after = json.loads(ckpt("token", "list", "--json", env=env, cwd=tmp_path).stdout)

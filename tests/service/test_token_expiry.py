@@ -30,10 +30,12 @@ def create(client: httpx.Client, **body: Any) -> dict[str, Any]:
 
 
 def expire(server: Server, token_id: int) -> None:
-    """Move a token's expiry into the past (rather than wait for it)."""
+    """Move a token's expiry into the past (rather than wait for it), and out of the server's
+    memory of the tokens it saw, which holds the expiry it read (``service.auth.cache``)."""
     past = datetime.now(UTC) - timedelta(seconds=1)
     with server.context.transaction() as session:
         session.execute(update(Token).where(Token.id == token_id).values(expires_at=past))
+    server.context.tokens.forget(token_id)
 
 
 def test_a_token_expires(server: Server) -> None:
