@@ -36,6 +36,9 @@ class _Entry:
 class TokenCache:
     seconds: float  # 0: nothing is kept
     _entries: dict[str, _Entry] = field(default_factory=dict)
+    # Tokens revoked through this process lately (id: until when), never kept again: a
+    # request that read one just before its revocation committed must not keep it after.
+    _revoked: dict[int, float] = field(default_factory=dict)
 
     def get(self, token_hash: str) -> Principal | None:
         """The principal of a token seen lately, unless its entry lapsed or it expired."""
@@ -50,15 +53,18 @@ class TokenCache:
         return entry.principal
 
     def put(self, token_hash: str, principal: Principal, *, expires_at: datetime | None) -> None:
-        if self.seconds <= 0:
+        now = time.monotonic()
+        if self.seconds <= 0 or self._revoked.get(principal.token_id or 0, now) > now:
             return
         if len(self._entries) >= MAX_ENTRIES:
             self._entries.clear()
-        until = time.monotonic() + self.seconds
-        self._entries[token_hash] = _Entry(until, principal, expires_at)
+        self._entries[token_hash] = _Entry(now + self.seconds, principal, expires_at)
 
     def forget(self, token_id: int) -> None:
         """Drop the token ``token_id`` (revoked): its next use reads the catalog."""
+        now = time.monotonic()
+        self._revoked = {id_: t for id_, t in self._revoked.items() if t > now}
+        self._revoked[token_id] = now + self.seconds
         for token_hash, entry in list(self._entries.items()):
             if entry.principal.token_id == token_id:
                 self._entries.pop(token_hash, None)

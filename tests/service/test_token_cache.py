@@ -104,9 +104,14 @@ def test_the_cache_forgets_lapsed_revoked_and_overflowing_entries(
     assert tokens.get("a") == principal(1) and tokens.get("c") is None
     tokens.forget(1)
     assert tokens.get("a") is None and tokens.get("b") == principal(2)
+    tokens.put("a", principal(1), expires_at=None)  # read before the revocation committed
+    assert tokens.get("a") is None
     now[0] += 2
     assert tokens.get("b") is None
+    tokens.put("a", principal(1), expires_at=None)  # the window closed: kept as any other
+    assert tokens.get("a") == principal(1)
     monkeypatch.setattr(cache, "MAX_ENTRIES", 3)
+    tokens = TokenCache(seconds=2)
     for token_id in range(4):
         tokens.put(str(token_id), principal(token_id), expires_at=None)
     assert [tokens.get(str(i)) is not None for i in range(4)] == [False, False, False, True]
