@@ -13,7 +13,8 @@ from fastapi import Depends, Path, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator
 
-from service.auth.service import Principal, authenticate
+from service.auth.principal import Principal
+from service.auth.service import authenticate
 from service.context import Context
 from service.names import MAX_ID, MAX_RANK, RUN_NAME_PATTERN
 from service.settings import admin_tokens

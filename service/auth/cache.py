@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from service.models import utcnow
 
 if TYPE_CHECKING:
-    from service.auth.service import Principal
+    from service.auth.principal import Principal
 
 # More distinct tokens than this within one lifetime of an entry is no fleet's steady
 # state: the cache then starts over rather than grow.

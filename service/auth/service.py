@@ -13,37 +13,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from service.auth import repository
+from service.auth.principal import Principal
 from service.auth.schemas import TokenCreate, TokenCreated, TokenOut
 from service.context import Context
 from service.errors import ForbiddenError, NotFoundError, UnauthorizedError
 from service.models import Role, Token, utcnow
 from service.settings import new_token
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who is calling: a role, for run tokens the one run it may touch, and for catalog
-    tokens their id (None for the configured admin token)."""
-
-    name: str
-    role: Role
-    run: str | None = None
-    token_id: int | None = None
-
-    @property
-    def actor(self) -> str:
-        """Who did it, as the audit log names it: ``admin`` or ``token 3 (trainer)``."""
-        return "admin" if self.token_id is None else f"token {self.token_id} ({self.name})"
-
-    def may_read(self, run: str) -> bool:
-        return self.role in (Role.ADMIN, Role.READ) or self.run == run
-
-    def may_write(self, run: str) -> bool:
-        return self.role is Role.ADMIN or (self.role is Role.RUN and self.run == run)
 
 
 def hash_token(token: str) -> str:

@@ -29,7 +29,7 @@ from ckpt.core.contract import CatalogRef, Layer, LayerRecord, Manifest, RankRec
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import ObjectStore, keys
 from service import completeness, lineage
-from service.auth.service import Principal
+from service.auth.principal import Principal
 from service.bundles import damage, isolation, repository
 from service.bundles.blobs import stored_blobs
 from service.bundles.fencing import check_epoch, for_write

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from service.auth.service import Principal, require_write
+from service.auth.principal import Principal
+from service.auth.service import require_write
 from service.bundles import repository
 from service.context import Context
 from service.errors import FencedError, NotFoundError

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
 
-from service.auth.service import Principal
+from service.auth.principal import Principal
 from service.bundles import repository
 from service.models import BundleStatus, Role, Run
 from service.runs import repository as runs_repository

@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session
 
 from ckpt.core.contract import Layer, LayerRecord
 from service import completeness
-from service.auth.service import Principal, require_admin
+from service.auth.principal import Principal
+from service.auth.service import require_admin
 from service.bundles import damage, isolation, repository
 from service.bundles.blobs import read_back, read_back_all
 from service.bundles.fencing import check_run_epoch, for_write

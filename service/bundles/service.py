@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 
 from ckpt.core.contract import Imported, Layer, LayerRecord, Manifest, SaveFigures
 from service import completeness, models
-from service.auth.service import Principal, require_read, require_write, require_writer
+from service.auth.principal import Principal
+from service.auth.service import require_read, require_write, require_writer
 from service.bundles import isolation, repository
 from service.bundles.blobs import stored_sizes
 from service.bundles.fencing import check_epoch, for_write

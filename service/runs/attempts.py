@@ -12,7 +12,8 @@ from sqlalchemy.orm import Session
 
 from ckpt.core.goodput import redo_seconds
 from service import lineage
-from service.auth.service import Principal, require_write
+from service.auth.principal import Principal
+from service.auth.service import require_write
 from service.context import Context
 from service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
 from service.metrics import Metrics

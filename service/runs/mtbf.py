@@ -12,7 +12,8 @@ from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from ckpt.core.interval import History
-from service.auth.service import Principal, require_read
+from service.auth.principal import Principal
+from service.auth.service import require_read
 from service.context import Context
 from service.errors import NotFoundError
 from service.models import Attempt, EndReason, utcnow

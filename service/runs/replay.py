@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from service.auth.service import Principal, require_read
+from service.auth.principal import Principal
+from service.auth.service import require_read
 from service.context import Context
 from service.errors import InvalidRequestError, NotFoundError
 from service.models import Attempt

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-from service.auth.service import Principal
+from service.auth.principal import Principal
 from service.bundles import repository as bundles_repository
 from service.bundles.commit import commit_bundle
 from service.bundles.schemas import Commit

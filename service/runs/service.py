@@ -12,7 +12,8 @@ from sqlalchemy.orm import Session, load_only
 
 from ckpt.core.contract import Manifest
 from service import lineage
-from service.auth.service import Principal, require_admin, require_read, require_write
+from service.auth.principal import Principal
+from service.auth.service import require_admin, require_read, require_write
 from service.context import Context
 from service.errors import ConflictError, NotFoundError
 from service.lineage import AttemptNode, Node

@@ -14,7 +14,8 @@ from sqlalchemy.orm import Session
 
 from ckpt.core.contract import RESTORE_ORDER, Imported, Layer
 from service import completeness, lineage
-from service.auth.service import Principal, require_read
+from service.auth.principal import Principal
+from service.auth.service import require_read
 from service.bundles import repository as bundles_repository
 from service.bundles.damage import trusted
 from service.bundles.service import accepted_missing, imported_of

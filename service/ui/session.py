@@ -21,7 +21,8 @@ from datetime import timedelta
 from fastapi import Request, Response
 from sqlalchemy.orm import Session
 
-from service.auth.service import Principal, authenticate, hash_token
+from service.auth.principal import Principal
+from service.auth.service import authenticate, hash_token
 from service.context import Context
 from service.models import Role, Token, UISession, utcnow
 from service.ui import repository

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from sqlalchemy import insert, select, text
 
 from ckpt.core.contract import RESTORE_ORDER, BlobRef, LayerRecord, TensorEntry
-from service.auth.service import Principal
+from service.auth.principal import Principal
 from service.bundles import repository, service
 from service.bundles.schemas import LayersPut
 from service.context import Context

@@ -17,7 +17,7 @@ from sqlalchemy import event
 
 from service.auth import cache
 from service.auth.cache import TokenCache
-from service.auth.service import Principal
+from service.auth.principal import Principal
 from service.models import Role
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import register
