@@ -234,18 +234,18 @@ class _CountRequests:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        status = 500
+        method = scope["method"]
 
         async def sending(message: Message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                # Counted before a byte of the answer leaves: a client that has read it and
+                # then scrapes /metrics (through another worker, say) finds it counted.
+                template = getattr(scope.get("route"), "path", "unmatched")
+                self.metrics.requests.labels(method, template, str(message["status"])).inc()
             await send(message)
 
         await self.app(scope, receive, sending)
         template = getattr(scope.get("route"), "path", "unmatched")
-        method = scope["method"]
-        self.metrics.requests.labels(method, template, str(status)).inc()
         self.metrics.latency.labels(method, template).observe(time.perf_counter() - started)
 
 
