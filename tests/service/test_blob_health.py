@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +199,7 @@ def test_damage_read_before_the_blob_was_written_again_quarantines_nothing(
     # writes the blob again and a commit reads it back intact. The stale finding must not
     # quarantine the bundles that use the blob, which is whole now.
     store = server.store
+    read_at = utcnow()  # the stale read began before the commit's (however slow the save)
     with server.client() as client:
         attempt = register(client, run_name)
         shared, _ = make_layer(store, size=2048)
@@ -207,7 +207,6 @@ def test_damage_read_before_the_blob_was_written_again_quarantines_nothing(
             save_records(client, run_name, attempt, step=10, records=fresh(store, weights=shared))
         )
     sha = shared.blobs[1].sha256
-    read_at = utcnow() - timedelta(seconds=1)  # the stale read began before the commit's
     with server.context.transaction() as session:
         quarantined = damage.mark_damaged(
             session, {sha: BlobProblem.ABSENT}, read_at=read_at, actor="test", found_by="a test"

@@ -10,7 +10,7 @@ import http.client
 import os
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -56,7 +56,7 @@ class Connection:
         held = _socket_inode(self.http.sock.getsockname()[1], self.http.sock.getpeername()[1])
         children = Path(f"/proc/{self.server.pid}/task/{self.server.pid}/children")
         for worker in map(int, children.read_text().split()):
-            if any(os.readlink(fd) == f"socket:[{held}]" for fd in _fds(worker)):
+            if f"socket:[{held}]" in _links(worker):
                 return worker
         raise AssertionError(f"no worker of {self.server.pid} holds socket {held}")
 
@@ -71,9 +71,14 @@ def _socket_inode(client_port: int, server_port: int) -> str:
     raise AssertionError(f"no connection from port {client_port}")
 
 
-def _fds(pid: int) -> list[str]:
+def _links(pid: int) -> set[str]:
+    """What the process's open descriptors point at; one it closes meanwhile is left out."""
     directory = f"/proc/{pid}/fd"
-    return [os.path.join(directory, name) for name in os.listdir(directory)]
+    links = set()
+    for name in os.listdir(directory):
+        with suppress(FileNotFoundError):
+            links.add(os.readlink(os.path.join(directory, name)))
+    return links
 
 
 def counted(connection: Connection) -> tuple[float, int]:
