@@ -5,15 +5,15 @@ from __future__ import annotations
 import enum
 import string
 from collections.abc import Collection
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg.adapt import Dumper
 from sqlalchemy import BigInteger, ColumnElement, Select, any_, inspect, literal
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session
-from sqlalchemy.orm.attributes import set_committed_value
+from sqlalchemy.orm import DeclarativeBase, InstrumentedAttribute, Session, configure_mappers
+from sqlalchemy.orm.attributes import instance_dict, set_committed_value
 from sqlalchemy.types import UserDefinedType
 
 
@@ -28,6 +28,7 @@ class Lock(enum.Enum):
 
 S = TypeVar("S", bound=Select[Any])
 T = TypeVar("T")
+M = TypeVar("M", bound=DeclarativeBase)
 
 
 def locked(statement: S, lock: Lock) -> S:
@@ -118,16 +119,27 @@ class _WordsDumper(Dumper):
 psycopg.adapters.register_dumper(_Words, _WordsDumper)
 
 
+def detached(cls: type[M], values: dict[str, Any]) -> M:
+    """An instance of the mapped ``cls`` holding ``values`` (its columns) as if loaded, in no
+    session: no flush writes it, and what changes after is ``take_changes``' to find."""
+    mapper = inspect(cls)
+    if not mapper.configured:  # no query has run in this process yet
+        configure_mappers()
+    instance = cast(M, mapper.class_manager.new_instance())
+    instance_dict(instance).update(values)  # as the ORM's loading does
+    return instance
+
+
 def take_changes(instance: DeclarativeBase) -> dict[str, Any]:
     """The columns of a loaded ``instance`` changed since it was loaded (or last flushed),
     now marked as written: the caller writes them in a statement of its own, and the
     session's flush no longer does."""
     state = inspect(instance)
     changes: dict[str, Any] = {}
-    for column in state.mapper.column_attrs:
-        history = state.attrs[column.key].history
-        if history.added:
-            changes[column.key] = history.added[0]
+    for key in list(state.committed_state):  # the attributes set since: their values before
+        history = state.attrs[key].history
+        if history.added and key in state.mapper.column_attrs:
+            changes[key] = history.added[0]
     for key, value in changes.items():
         set_committed_value(instance, key, value)
     return changes

@@ -57,10 +57,11 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int]) -> None:
 
 def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int) -> None:
     """Write a heartbeat of ``rank`` of the run's newest ``attempt`` (resumed from step
-    ``start``), which the caller holds and has changed: the rank's row (``attempt_rank``),
-    and the run's activity, of which only that attempt's own part changes. On PostgreSQL one
-    statement writes them and the attempt's own changes (data-modifying ``WITH`` clauses,
-    instead of the session's flush): a heartbeat's three writes, one round trip."""
+    ``start``), which the caller holds locked and has changed (read in no session:
+    ``repository.get_attempt_to_beat``): the attempt's changes, the rank's row
+    (``attempt_rank``), and the run's activity, of which only that attempt's own part
+    changes. On PostgreSQL one statement writes the three (data-modifying ``WITH``
+    clauses): a heartbeat's writes, one round trip."""
     state, active_at, own = _newest_figures(
         attempt.ended_at,
         attempt.end_reason,
@@ -72,16 +73,18 @@ def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int) 
     values: dict[str, Any] = {"run": attempt.run_id, "new_state": state, "at": active_at}
     values |= {"own": own, "beating_attempt": attempt.id, "beating_rank": rank}
     values["beat_at"] = attempt.heartbeat_at
-    connection = session.connection()  # Core: no flush of the attempt first
-    dialect = connection.dialect.name
-    if dialect != "postgresql":
-        connection.execute(_beat_rank(dialect), values)
-        connection.execute(_beat(), values)
-        return
     changes = take_changes(attempt)
     values |= {f"new_{name}": value for name, value in changes.items()}
     values["changed_attempt"] = attempt.id
-    connection.execute(_beat_all(frozenset(changes)), values)
+    connection = session.connection()
+    dialect = connection.dialect.name
+    if dialect == "postgresql":
+        connection.execute(_beat_all(frozenset(changes)), values)
+        return
+    connection.execute(_beat_rank(dialect), values)
+    connection.execute(_beat(), values)
+    if changes:
+        connection.execute(_beat_attempt(frozenset(changes)), values)
 
 
 @functools.cache
@@ -101,18 +104,23 @@ def _beat() -> Any:
 
 @functools.cache
 def _beat_all(changed: frozenset[str]) -> Any:
-    """``_beat`` on PostgreSQL with the rank's upsert and the attempt's ``changed`` columns
-    (parameters ``new_<column>``, ``changed_attempt``); built once for each set of columns
-    (a heartbeat changes one of a few)."""
+    """``_beat`` on PostgreSQL with the rank's upsert and the attempt's ``changed`` columns;
+    built once for each set of columns (a heartbeat changes one of a few)."""
     statement = _beat().add_cte(_beat_rank("postgresql").cte("rank_beat"))
     if not changed:
         return statement
-    attempt = (
+    return statement.add_cte(_beat_attempt(changed).cte("attempt_beat"))
+
+
+@functools.cache
+def _beat_attempt(changed: frozenset[str]) -> Any:
+    """Write the attempt's ``changed`` columns (parameters ``new_<column>``,
+    ``changed_attempt``)."""
+    return (
         update(Attempt)
         .where(Attempt.id == bindparam("changed_attempt"))
         .values({name: bindparam(f"new_{name}") for name in sorted(changed)})
     )
-    return statement.add_cte(attempt.cte("attempt_beat"))
 
 
 @functools.cache

@@ -75,7 +75,7 @@ def heartbeat(
     context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
 ) -> AttemptOut:
     with context.transaction() as session:
-        attempt, run, start = locked_attempt(session, principal, attempt_id)
+        attempt, run, start = locked_attempt(session, principal, attempt_id, to_beat=True)
         check_unfenced(attempt, run)
         if beat.step is not None:
             _check_advance(attempt, beat.step, start=start, limit=context.settings.max_step_advance)
@@ -190,11 +190,13 @@ def mark_lost(context: Context, *, now: datetime | None = None) -> list[int]:
 
 
 def locked_attempt(
-    session: Session, principal: Principal, attempt_id: int
+    session: Session, principal: Principal, attempt_id: int, *, to_beat: bool = False
 ) -> tuple[Attempt, Run, int]:
     """The attempt locked for a change, its run share-locked (the run first, as every other
-    write locks), and the step it resumed from (0: it started fresh). One statement."""
-    found = repository.get_attempt_to_change(session, attempt_id=attempt_id)
+    write locks), and the step it resumed from (0: it started fresh). One statement. With
+    ``to_beat``, read into no session (``repository.get_attempt_to_beat``)."""
+    get = repository.get_attempt_to_beat if to_beat else repository.get_attempt_to_change
+    found = get(session, attempt_id=attempt_id)
     if found is None:
         raise NotFoundError(f"no attempt with id {attempt_id}")
     run, attempt, start = found
