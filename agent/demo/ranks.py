@@ -40,6 +40,7 @@ from agent.demo.train import (
     finish_drill,
     make_model,
     parse_position,
+    signal_self,
     warmup_cosine,
 )
 from agent.save.result import PendingSave
@@ -186,7 +187,7 @@ def drills(job: Job, args: argparse.Namespace, position: tuple[int, int]) -> Non
     rank = dist.get_rank()
     if position == args.signal_at and args.signal_rank in (None, rank):
         print(f"rank {rank}: SIGTERM at step {position[0]}.{position[1]}", flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal_self(job.ckpt)
     if position == args.kill_at and drill_armed(args.drill_marker):
         job.ckpt.wait()  # the saves before the kill durable however slow the machine
         print(f"rank {rank}: killed at step {position[0]}.{position[1]}", flush=True)

@@ -300,6 +300,16 @@ def finish_drill(store: DrillStore, saved: PendingSave | None) -> None:
     store.spared = False
 
 
+def signal_self(ckpt: Checkpointer) -> None:
+    """SIGTERM this process, as a preemption does, and wait until the checkpointer has noted
+    it: a thread of its own reads signals, and on a busy machine the loop could run steps on
+    before it does, so that the drill's signal landed later than its position."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not ckpt.stopping and time.monotonic() < deadline:
+        time.sleep(0.001)  # gives the GIL to the thread that notes it
+
+
 def save_and_maybe_die(job: Job, *, kill: bool) -> None:
     job.ckpt.save().wait()
     if kill:
@@ -343,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 finish_drill(job.store, saved)
             if position == args.signal_at:
                 print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
+                signal_self(job.ckpt)
             if position == args.kill_at:
                 job.ckpt.wait()  # the saves before the kill durable however slow the machine
                 print(f"killed at step {position[0]}, micro step {position[1]}", flush=True)
