@@ -197,7 +197,7 @@ def get_attempt_to_beat(session: Session, *, attempt_id: int) -> tuple[Run, Atte
     """``get_attempt_to_change`` for a heartbeat, the fleet's steady load: the same locks,
     read as columns into a run (its id, name and epoch) and an attempt in no session, so no
     identity map and no flush: the caller writes what it changes (``activity.beat_activity``).
-    A third of a heartbeat's CPU in the service, measured (docs/performance.md)."""
+    That cut the CPU of a heartbeat's work by a third (docs/performance.md)."""
     statement = _attempt_to_change(_BEAT_COLUMNS)
     row = session.connection().execute(statement, {"attempt_id": attempt_id}).first()
     if row is None:
