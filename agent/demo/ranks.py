@@ -38,6 +38,7 @@ from agent.demo.train import (
     aim_drill,
     drill_armed,
     finish_drill,
+    hold_for_signal,
     make_model,
     parse_position,
     signal_self,
@@ -86,6 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a file: the kill drills fire only while it is absent; --kill-during-upload "
         "records in it what it did (as agent.demo.train does)",
     )
+    add("--hold-file", default=None, help="a file naming a STEP: wait there for a SIGTERM")
     add("--dump-resumed", default=None, help="PATH: rank 0 writes the whole state after resume")
     add("--dump-final", default=None, help="PATH: rank 0 writes the whole state at the end")
     return parser.parse_args(argv)
@@ -207,6 +209,7 @@ def train(job: Job, args: argparse.Namespace) -> None:
             train_micro_batch(job, inputs, labels)
             position = (counters.step, counters.micro_step)
             armed = arm_upload_drill(job, args, position, previous=previous)
+            hold_for_signal(job.ckpt, args.hold_file, position)
             saved = job.ckpt.maybe_save()
             previous = saved or previous
             if armed:

@@ -159,7 +159,7 @@ def percent(share: float) -> str:
 def format_drill(record: dict[str, Any] | None, *, step: int) -> str:
     """What the SIGKILL drill aimed at the upload of the bundle of ``step`` did."""
     if record is None:
-        return f"did not fire: no attempt saved the bundle of step {step}"
+        return f"did not fire: no attempt after the SIGTERMs saved a bundle at or after step {step}"
     if record["outcome"] == "killed":
         return f"fired while the bundle of step {record['step']} was uploading"
     return (

@@ -2,13 +2,15 @@
 
 It starts the control plane (the embedded default: SQLite + the directory store under
 ``./.ckpt``) in the background, trains the demo job under ``ckpt launch`` while a chaos
-loop preempts it (SIGTERM at random moments, and one SIGKILL in the middle of an upload),
+loop preempts it (SIGTERM at random moments, then one SIGKILL in the middle of an upload),
 lets every attempt resume through the control plane, then trains an uninterrupted reference
 run with the same seed and checks that both end bit-identical (``report``).
 
 The SIGKILL is the trainer's own (``train.py --kill-during-upload``): it records in
 ``.ckpt/demo/<run>/sigkill-drill.json`` whether it fired, so that the report states what
-happened, also on a store that already holds the bundle it aims at.
+happened, also on a store that already holds the bundle it aims at. The chaos loop holds
+it (writes that file first) until the last SIGTERM has stopped its attempt: one attempt
+preempted by each, another killed.
 
 With ``--nproc N`` (N > 1) the job is the many-rank one (``ranks.py``, DDP or FSDP2 on
 gloo) under ``torchrun --nproc-per-node N``: the chaos loop's SIGTERMs go to torchrun, which
@@ -20,7 +22,6 @@ compared with the reference's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -37,6 +38,7 @@ import httpx
 
 from agent.demo.report import DRILL_RECORD, ckpt_here, print_next_steps, report
 from agent.demo.server import control_plane, dashboard_url, serve_until_interrupted
+from agent.demo.train import record_drill
 from ckpt.core.tokens import bearer
 
 GRACE_SECONDS = 10
@@ -140,9 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"2. training {plan.steps} steps{_on_ranks(plan)} under `ckpt launch`, saving "
             f"every {plan.every}; "
-            f"{plan.preemptions} SIGTERMs at random steps and a SIGKILL in the middle of "
-            f"the upload of the bundle of step {plan.kill_upload_at} (or the next one, when a "
-            "SIGTERM stops that attempt first)"
+            f"{plan.preemptions} SIGTERMs at random steps, then a SIGKILL in the middle of "
+            f"an upload: of the first bundle at or after step {plan.kill_upload_at} that the "
+            "attempt after the last SIGTERM saves"
         )
         started = time.monotonic()
         rc, signals = _train_with_chaos(
@@ -235,7 +237,7 @@ def _train_with_chaos(
     chooser: random.Random,
 ) -> tuple[int, int]:
     """Run the job under ``ckpt launch`` and preempt it; returns (exit code, SIGTERMs sent)."""
-    pid_file = work / "trainer.pid"
+    pid_file, hold = work / "trainer.pid", work / "hold-at-step"
     drills = (
         "--every",
         str(plan.every),
@@ -243,6 +245,8 @@ def _train_with_chaos(
         str(plan.kill_upload_at),
         "--drill-marker",
         str(work / DRILL_RECORD),
+        "--hold-file",
+        str(hold),
     )
     command = [
         sys.executable,
@@ -266,8 +270,18 @@ def _train_with_chaos(
         "CKPT_HEARTBEAT_SECONDS": "0.2",  # the chaos loop aims by the steps they report
         **({"CKPT_TOKEN": token} if token else {}),
     }
-    # SIGTERM when the live attempt's heartbeats report these steps: spread over the run.
+    # SIGTERM when the live attempt's heartbeats report these steps: spread over the run. The
+    # trainer holds at the next one (``train.hold_for_signal``) until the SIGTERM comes: aimed
+    # by heartbeats alone, it could land steps late on a busy machine, or after the last step.
     targets = sorted(chooser.sample(range(2, plan.steps - 2), plan.preemptions))
+    _hold_at(hold, targets[0] if targets else None)
+    # The SIGKILL drill is held (its record file exists) until the last SIGTERM has stopped
+    # its attempt: a SIGTERM that came while the drill's upload ran met an attempt it killed
+    # (an outside signal may land at any moment), and the next attempt could finish before
+    # its heartbeats reported the step to signal it at.
+    drill = work / DRILL_RECORD
+    if targets:
+        record_drill(str(drill), outcome="held", step=plan.kill_upload_at)
     headers = bearer(token)
     with (
         (work / "launch.log").open("w") as log,
@@ -280,27 +294,30 @@ def _train_with_chaos(
             time.sleep(0.1)
             if sent == len(targets):
                 continue
-            drilled = _drill_killed(work)
             if not _preempt_at(
                 targets[sent], client, plan.run, pid_file=pid_file, trainers=trainers
             ):
                 continue
             print(f"   SIGTERM {sent + 1} of {len(targets)} sent (step {targets[sent]} or later)")
-            _await_restart(pid_file, launch)
-            if not drilled and _drill_killed(work):
-                # The SIGKILL drill ended that attempt as the signal reached it: it was not
-                # preempted, so the signal is sent again, to the next attempt.
-                print("   it met the attempt the SIGKILL drill killed; sending it again")
-                continue
             sent += 1
+            _hold_at(hold, targets[sent] if sent < len(targets) else None)  # the next attempt's
+            _await_restart(pid_file, launch)
+            if sent == len(targets):
+                drill.unlink()  # armed: the attempt now starting meets it
+        if sent < len(targets):  # the run finished first: the drill never was armed
+            drill.unlink()
+            hold.unlink()
         return launch.wait(), sent
 
 
-def _drill_killed(work: Path) -> bool:
-    """Whether the SIGKILL drill has fired (the trainer records it before it dies)."""
-    with suppress(OSError, ValueError, KeyError, TypeError):
-        return bool(json.loads((work / DRILL_RECORD).read_text())["outcome"] == "killed")
-    return False
+def _hold_at(hold: Path, step: int | None) -> None:
+    """Name the step the trainer holds at for its SIGTERM (None: no more), in one write."""
+    if step is None:
+        hold.unlink(missing_ok=True)
+        return
+    partial = hold.with_suffix(".partial")
+    partial.write_text(str(step))
+    partial.replace(hold)
 
 
 def _await_restart(pid_file: Path, launch: subprocess.Popen[bytes]) -> None:

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ ACCUMULATION = 4
 BATCH_SIZE = 8
 NUM_SAMPLES = 256  # 32 batches, 8 optimizer steps per epoch
 WARMUP_STEPS = 10
+HOLD_SECONDS = 60.0  # --hold-file: the longest a step waits for its SIGTERM
 
 
 class NoisyBlobs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -135,6 +137,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     # Preemption drills: a signal at a known position, a long step, a slow or dying upload.
     add("--signal-at", type=parse_position, default=None, help="STEP[.MICRO]: SIGTERM itself")
     add("--pause-at", type=parse_pause, default=None, help="STEP[.MICRO]:SECONDS: a long step")
+    add("--hold-file", default=None, help="a file naming a STEP: wait there for a SIGTERM")
     add(
         "--durable-at",
         type=parse_position,
@@ -310,6 +313,24 @@ def signal_self(ckpt: Checkpointer) -> None:
         time.sleep(0.001)  # gives the GIL to the thread that notes it
 
 
+def hold_for_signal(ckpt: Checkpointer, hold_file: str | None, position: tuple[int, int]) -> None:
+    """``--hold-file``: at a step boundary at or after the step the file names, wait (at
+    most ``HOLD_SECONDS``) while it exists for the SIGTERM ``ckpt demo``'s chaos loop sends
+    when the heartbeats report that step. Aimed by heartbeats alone, the signal could land
+    steps late on a busy machine, or after the last step."""
+    if hold_file is None or position[1] != 0:
+        return
+    try:
+        step = int(Path(hold_file).read_text())
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + HOLD_SECONDS
+    while position[0] >= step and not ckpt.stopping and time.monotonic() < deadline:
+        if not os.path.exists(hold_file):
+            return
+        time.sleep(0.01)
+
+
 def save_and_maybe_die(job: Job, *, kill: bool) -> None:
     job.ckpt.save().wait()
     if kill:
@@ -348,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 job.ckpt.wait()  # the save before durable: the drill kills this bundle's upload
                 job.store.kill_in_upload_of = counters.step
             long_step(job, args, position)
+            hold_for_signal(job.ckpt, args.hold_file, position)
             saved = job.ckpt.maybe_save()
             if drill:
                 finish_drill(job.store, saved)

@@ -154,7 +154,7 @@ def test_format_drill_says_what_happened() -> None:
     )
     skipped = format_drill({"outcome": "nothing to upload", "step": 10}, step=10)
     assert skipped.startswith("did not fire: the bundle of step 10 had nothing to upload")
-    assert format_drill(None, step=15).startswith("did not fire: no attempt saved")
+    assert format_drill(None, step=15).startswith("did not fire: no attempt after the SIGTERMs")
 
 
 def rank_state(value: float) -> dict[str, Any]:
