@@ -276,9 +276,8 @@ def _train_with_chaos(
     targets = sorted(chooser.sample(range(2, plan.steps - 2), plan.preemptions))
     _hold_at(hold, targets[0] if targets else None)
     # The SIGKILL drill is held (its record file exists) until the last SIGTERM has stopped
-    # its attempt: a SIGTERM that came while the drill's upload ran met an attempt it killed
-    # (an outside signal may land at any moment), and the next attempt could finish before
-    # its heartbeats reported the step to signal it at.
+    # its attempt: a SIGTERM that came while the drill's upload ran (in the background, while
+    # the trainer held) met an attempt the drill killed, and preempted none.
     drill = work / DRILL_RECORD
     if targets:
         record_drill(str(drill), outcome="held", step=plan.kill_upload_at)
