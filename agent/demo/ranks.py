@@ -31,19 +31,15 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from agent.checkpointer import Checkpointer
 from agent.data.sampling import ResumableSampler
 from agent.demo.compare import save_final
-from agent.demo.train import (
-    NUM_SAMPLES,
+from agent.demo.drills import (
     DrillStore,
-    NoisyBlobs,
     aim_drill,
     drill_armed,
     finish_drill,
     hold_for_signal,
-    make_model,
-    parse_position,
     signal_self,
-    warmup_cosine,
 )
+from agent.demo.train import NUM_SAMPLES, NoisyBlobs, make_model, parse_position, warmup_cosine
 from agent.save.result import PendingSave
 from ckpt.core.storage import open_store
 

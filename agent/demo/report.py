@@ -113,7 +113,7 @@ def _differences(references: list[dict[str, Any]], finals: list[dict[str, Any]])
 
 
 def _drill_record(work: Path) -> dict[str, Any] | None:
-    """What the trainer recorded of the SIGKILL drill (``train.record_drill``), if anything."""
+    """What the trainer recorded of the SIGKILL drill (``drills.record_drill``), if anything."""
     try:
         record: dict[str, Any] = json.loads((work / DRILL_RECORD).read_text())
     except FileNotFoundError:

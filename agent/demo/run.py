@@ -36,9 +36,9 @@ from typing import Any
 
 import httpx
 
+from agent.demo.drills import record_drill
 from agent.demo.report import DRILL_RECORD, ckpt_here, print_next_steps, report
 from agent.demo.server import control_plane, dashboard_url, serve_until_interrupted
-from agent.demo.train import record_drill
 from ckpt.core.tokens import bearer
 
 GRACE_SECONDS = 10
@@ -271,7 +271,7 @@ def _train_with_chaos(
         **({"CKPT_TOKEN": token} if token else {}),
     }
     # SIGTERM when the live attempt's heartbeats report these steps: spread over the run. The
-    # trainer holds at the next one (``train.hold_for_signal``) until the SIGTERM comes: aimed
+    # trainer holds at the next one (``drills.hold_for_signal``) until the SIGTERM comes: aimed
     # by heartbeats alone, it could land steps late on a busy machine, or after the last step.
     targets = sorted(chooser.sample(range(2, plan.steps - 2), plan.preemptions))
     _hold_at(hold, targets[0] if targets else None)
