@@ -5,6 +5,7 @@ a position, and a hold at the step ``ckpt demo``'s chaos loop signals."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from agent.checkpointer import Checkpointer
     from agent.save.result import PendingSave
 
-HOLD_SECONDS = 60.0  # --hold-file: the longest a step waits for its SIGTERM
+STOP_WAIT_SECONDS = 60.0  # the longest a drill waits for a SIGTERM to be noted
 
 
 def drill_armed(marker: str | None) -> bool:
@@ -107,24 +108,29 @@ def signal_self(ckpt: Checkpointer) -> None:
     it: a thread of its own reads signals, and on a busy machine the loop could run steps on
     before it does, so that the drill's signal landed later than its position."""
     os.kill(os.getpid(), signal.SIGTERM)
-    deadline = time.monotonic() + 60
-    while not ckpt.stopping and time.monotonic() < deadline:
-        time.sleep(0.001)  # gives the GIL to the thread that notes it
+    _until_stopping(ckpt, lambda: True)
 
 
 def hold_for_signal(ckpt: Checkpointer, hold_file: str | None, position: tuple[int, int]) -> None:
-    """``--hold-file``: at a step boundary at or after the step the file names, wait (at
-    most ``HOLD_SECONDS``) while it exists for the SIGTERM ``ckpt demo``'s chaos loop sends
-    when the heartbeats report that step. Aimed by heartbeats alone, the signal could land
-    steps late on a busy machine, or after the last step."""
-    if hold_file is None or position[1] != 0:
-        return
+    """``--hold-file``: at a step boundary at or after the step the file names, wait for the
+    SIGTERM ``ckpt demo``'s chaos loop sends when the heartbeats report that step, until the
+    file names a later step or none. Aimed by heartbeats alone, the signal could land steps
+    late on a busy machine, or after the last step."""
+    if hold_file is not None and position[1] == 0:
+        _until_stopping(ckpt, lambda: _held_at(hold_file) <= position[0])
+
+
+def _held_at(hold_file: str) -> float:
+    """The step the hold file names (infinity: none)."""
     try:
-        step = int(Path(hold_file).read_text())
+        return int(Path(hold_file).read_text())
     except (OSError, ValueError):
-        return
-    deadline = time.monotonic() + HOLD_SECONDS
-    while position[0] >= step and not ckpt.stopping and time.monotonic() < deadline:
-        if not os.path.exists(hold_file):
-            return
-        time.sleep(0.01)
+        return math.inf
+
+
+def _until_stopping(ckpt: Checkpointer, waiting: Callable[[], bool]) -> None:
+    """Until the checkpointer has noted a stop signal, while ``waiting()`` (at most
+    ``STOP_WAIT_SECONDS``); sleeping gives the GIL to the thread that notes it."""
+    deadline = time.monotonic() + STOP_WAIT_SECONDS
+    while not ckpt.stopping and waiting() and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -299,8 +299,9 @@ def _train_with_chaos(
                 continue
             print(f"   SIGTERM {sent + 1} of {len(targets)} sent (step {targets[sent]} or later)")
             sent += 1
-            _hold_at(hold, targets[sent] if sent < len(targets) else None)  # the next attempt's
+            # Moved on once the signalled attempt has ended: it holds until it noted the signal.
             _await_restart(pid_file, launch)
+            _hold_at(hold, targets[sent] if sent < len(targets) else None)  # the next attempt's
             if sent == len(targets):
                 drill.unlink()  # armed: the attempt now starting meets it
         if sent < len(targets):  # the run finished first: the drill never was armed
