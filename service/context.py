@@ -18,7 +18,7 @@ class Context:
     settings: Settings
     engine: Engine
     transaction: Transaction
-    read: Transaction  # a read that takes no lock (``service.db.reads``)
+    read: Transaction  # a read that takes no lock, or one statement (``service.db.reads``)
     store: ObjectStore
     tokens: TokenCache
     metrics: Metrics = field(default_factory=Metrics)

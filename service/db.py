@@ -130,8 +130,10 @@ def reads(engine: Engine) -> Transaction:
     """A factory of read-only units of work. On PostgreSQL they send no ``BEGIN`` and no
     ``COMMIT``, two of the few round trips of a small request: each statement sees what
     was committed when it started, as it would in a transaction at READ COMMITTED (the
-    catalog's isolation), so a read that needs no lock reads the same. On SQLite, plain
-    transactions (its ``BEGIN IMMEDIATE`` takes the write lock the others take)."""
+    catalog's isolation), so a read that needs no lock reads the same; and a write of one
+    statement there is a transaction of its own (a heartbeat's, ``runs.repository.
+    beat_at_once``). On SQLite, plain transactions (its ``BEGIN IMMEDIATE`` takes the
+    write lock the others take)."""
     if engine.dialect.name == "sqlite":
         return transactions(engine)
     factory = sessionmaker(

@@ -160,6 +160,11 @@ def add_catalog_commands(commands: Commands) -> None:
 
 
 WORKER_HEALTHCHECK_SECONDS = 30
+# How long an idle connection is kept open: longer than any client keeps one to reuse, so
+# the close is the client's. Uvicorn's 5 s is httpx's (the agent's) too: a request sent on
+# a connection the server was closing at that moment got no answer (1 heartbeat of 290 in
+# bench/fleet.py); a load balancer keeps its connections to a backend 60 s (AWS ALB, nginx).
+KEEP_ALIVE_SECONDS = 75
 
 
 def _server(args: argparse.Namespace) -> int:
@@ -182,7 +187,13 @@ def _server(args: argparse.Namespace) -> int:
     if current.embedded and not current.admin_token:
         print(f"  admin token: in {current.admin_token_file}", flush=True)
     if current.workers == 1:
-        uvicorn.run(app, host=current.host, port=current.port, log_level="warning")
+        uvicorn.run(
+            app,
+            host=current.host,
+            port=current.port,
+            log_level="warning",
+            timeout_keep_alive=KEEP_ALIVE_SECONDS,
+        )
         return 0
     # Each process builds its own app from the same settings (the checks above ran once).
     app.state.context.close()
@@ -209,6 +220,7 @@ def _serve_workers(current: Settings) -> None:
         # requests it holds. Uvicorn's 5 s is short on a saturated host, where a worker that
         # is only slow would be killed mid-request; a hung worker is the liveness probe's.
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_SECONDS,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
     )
 
 

@@ -87,6 +87,39 @@ def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int) 
         connection.execute(_beat_attempt(frozenset(changes)), values)
 
 
+def beat_writes(beating: Any, changed: frozenset[str], *, step: bool) -> list[Any]:
+    """``beat_activity``'s three writes as data-modifying ``WITH`` clauses on PostgreSQL, for
+    the attempt the CTE ``beating`` holds locked (its columns, and ``start``), if it holds
+    one: the attempt's ``changed`` columns (parameters ``new_<column>``), the rank's row
+    (``beating_rank``, ``beat_at``) and the run's activity of an attempt still training,
+    which the new step (``step``: parameter ``new_last_step``) or its last sets."""
+    attempt = (
+        update(Attempt)
+        .where(Attempt.id == beating.c.id)
+        .values({name: bindparam(f"new_{name}") for name in sorted(changed)})
+    )
+    rank = insert_for("postgresql", AttemptRank).from_select(
+        ["attempt_id", "rank", "heartbeat_at"],
+        select(beating.c.id, bindparam("beating_rank"), bindparam("beat_at")),
+    )
+    rank = rank.on_conflict_do_update(
+        index_elements=["attempt_id", "rank"], set_={"heartbeat_at": rank.excluded.heartbeat_at}
+    )
+    last = bindparam("new_last_step") if step else beating.c.last_step
+    own = func.coalesce(last, beating.c.start) - beating.c.start
+    activity = (
+        update(RunActivity)
+        .where(RunActivity.run_id == beating.c.run_id)
+        .values(
+            state=TRAINING,
+            active_at=bindparam("beat_at"),
+            steps_computed=RunActivity.earlier_steps_computed + _positive(own),
+            writes=RunActivity.writes + 1,
+        )
+    )
+    return [attempt.cte("attempt_beat"), rank.cte("rank_beat"), activity.cte("activity_beat")]
+
+
 @functools.cache
 def _beat() -> Any:
     """``beat_activity``'s UPDATE, built once (building it costs more than running it)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -17,7 +18,7 @@ from service.auth.service import require_write
 from service.context import Context
 from service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
 from service.metrics import Metrics
-from service.models import Attempt, Bundle, EndReason, Run, utcnow
+from service.models import Attempt, Bundle, EndReason, Role, Run, utcnow
 from service.runs import fingerprints, repository
 from service.runs.activity import beat_activity, refresh_activity
 from service.runs.roll_forward import roll_forward
@@ -74,16 +75,19 @@ def register_attempt(
 def heartbeat(
     context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
 ) -> AttemptOut:
+    """Record a heartbeat of one rank. A plain one (an attempt training unfenced, a step
+    within reach, no fingerprints) is one statement on PostgreSQL (``beat_at_once``); any
+    other, or one that statement's checks turn away, takes the full path, which says why."""
+    changes = _beat_changes(beat)
+    at_once = _beat_at_once(context, principal, attempt_id=attempt_id, beat=beat, changes=changes)
+    if at_once is not None:
+        return at_once
     with context.transaction() as session:
         attempt, run, start = locked_attempt(session, principal, attempt_id, to_beat=True)
         check_unfenced(attempt, run)
         if beat.step is not None:
             _check_advance(attempt, beat.step, start=start, limit=context.settings.max_step_advance)
-        attempt.heartbeat_at = utcnow()
-        if beat.step is not None:
-            attempt.last_step = beat.step
-        if beat.time is not None:
-            _account(context.metrics, attempt, beat.time)
+        _apply_beat(context.metrics, attempt, beat, changes)
         if beat.fingerprints:
             fingerprints.keep(
                 session,
@@ -92,10 +96,8 @@ def heartbeat(
                 rows=[f.model_dump() for f in beat.fingerprints],
                 ring=context.settings.fingerprint_ring,
             )
-        if beat.interval_seconds is not None:
-            attempt.interval_seconds = beat.interval_seconds
-            attempt.waste_seconds_per_hour = beat.waste_seconds_per_hour
-        silent_since = attempt.heartbeat_at - timedelta(seconds=context.settings.lost_after_seconds)
+        lost_after = timedelta(seconds=context.settings.lost_after_seconds)
+        silent_since = changes["heartbeat_at"] - lost_after
         if attempt.end_reason == EndReason.LOST and not repository.rank_silent(
             session, attempt_id=attempt.id, silent_since=silent_since, beating=beat.rank
         ):  # it was alive after all (a partition), every rank of it
@@ -104,6 +106,64 @@ def heartbeat(
         # is lost yet.
         beat_activity(session, attempt, start=start, rank=beat.rank)
         return attempt_out(attempt, run, steps_lost=None)
+
+
+def _beat_at_once(
+    context: Context,
+    principal: Principal,
+    *,
+    attempt_id: int,
+    beat: Heartbeat,
+    changes: dict[str, Any],
+) -> AttemptOut | None:
+    """The heartbeat in one statement (``repository.beat_at_once``), if it is plain, by a
+    token that may write, on PostgreSQL, and its checks pass; else None, nothing written."""
+    if beat.fingerprints or context.engine.dialect.name != "postgresql":
+        return None
+    if principal.role is Role.ADMIN:
+        writer = None
+    elif principal.role is Role.RUN and principal.run:
+        writer = principal.run
+    else:
+        return None
+    with context.read() as session:  # autocommit: the statement is its own transaction
+        found = repository.beat_at_once(
+            session,
+            attempt_id=attempt_id,
+            writer=writer,
+            changes=changes,
+            rank=beat.rank,
+            advance_limit=context.settings.max_step_advance,
+        )
+    if found is None:
+        return None
+    run, attempt = found
+    _apply_beat(context.metrics, attempt, beat, changes)
+    return attempt_out(attempt, run, steps_lost=None)
+
+
+def _beat_changes(beat: Heartbeat) -> dict[str, Any]:
+    """The attempt's columns a heartbeat sets, to what."""
+    changes: dict[str, Any] = {"heartbeat_at": utcnow()}
+    if beat.step is not None:
+        changes["last_step"] = beat.step
+    if beat.time is not None:
+        changes |= {f"{part}_seconds": getattr(beat.time, f"{part}_seconds") for part in PARTS}
+        changes["steps_trained"] = beat.time.steps_trained
+    if beat.interval_seconds is not None:
+        changes["interval_seconds"] = beat.interval_seconds
+        changes["waste_seconds_per_hour"] = beat.waste_seconds_per_hour
+    return changes
+
+
+def _apply_beat(
+    metrics: Metrics, attempt: Attempt, beat: Heartbeat, changes: dict[str, Any]
+) -> None:
+    """Set a heartbeat's ``changes`` on the attempt as it was, counting the time they add."""
+    if beat.time is not None:
+        _count_time(metrics, attempt, beat.time)
+    for name, value in changes.items():
+        setattr(attempt, name, value)
 
 
 def end_attempt(
@@ -255,15 +315,24 @@ def _steps_lost(session: Session, attempt: Attempt) -> int | None:
     )
 
 
+PARTS = ("restart", "stall", "train")  # an attempt's time figures: <part>_seconds
+
+
 def _account(metrics: Metrics, attempt: Attempt, time: AttemptTime) -> None:
     """Keep the attempt's latest time figures; count what they add in the metrics."""
-    for part in ("restart", "stall", "train"):
+    _count_time(metrics, attempt, time)
+    for part in PARTS:
+        setattr(attempt, f"{part}_seconds", getattr(time, f"{part}_seconds"))
+    attempt.steps_trained = time.steps_trained
+
+
+def _count_time(metrics: Metrics, attempt: Attempt, time: AttemptTime) -> None:
+    """Count in the metrics what the attempt's new time figures add to those it has."""
+    for part in PARTS:
         now = getattr(time, f"{part}_seconds")
         before = getattr(attempt, f"{part}_seconds") or 0.0
         if now > before:
             metrics.attempt_seconds.labels(part=part).inc(now - before)
-        setattr(attempt, f"{part}_seconds", now)
-    attempt.steps_trained = time.steps_trained
 
 
 def _count_steps_lost(

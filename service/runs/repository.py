@@ -24,7 +24,7 @@ from service.models import (
     Run,
     utcnow,
 )
-from service.runs.activity import refresh_activity
+from service.runs.activity import beat_writes, refresh_activity
 from service.sql import Lock, detached, insert, locked
 
 
@@ -202,10 +202,57 @@ def get_attempt_to_beat(session: Session, *, attempt_id: int) -> tuple[Run, Atte
     row = session.connection().execute(statement, {"attempt_id": attempt_id}).first()
     if row is None:
         return None
-    values = row._asdict()
+    return _beat_row(row._asdict())
+
+
+def beat_at_once(
+    session: Session,
+    *,
+    attempt_id: int,
+    writer: str | None,
+    changes: dict[str, Any],
+    rank: int,
+    advance_limit: int,
+) -> tuple[Run, Attempt] | None:
+    """A heartbeat of an attempt training unfenced, in one statement: its checks in SQL, its
+    locks those of ``get_attempt_to_change``, its writes ``activity.beat_writes``. ``writer``:
+    the run a run token may write (None: an admin's); ``changes``: the attempt's new column
+    values (``heartbeat_at``, and ``last_step`` at most ``advance_limit`` ahead of what it
+    reached). Run in autocommit, it is a heartbeat's one round trip (four in a transaction).
+    Returns the run and the attempt as they were before it; None, having written nothing, if
+    a check failed (or no such attempt): the caller's full path says which."""
+    statement = _beat_at_once(
+        frozenset(changes), writer=writer is not None, step="last_step" in changes
+    )
+    values = {f"new_{name}": value for name, value in changes.items()}
+    values |= {"attempt_id": attempt_id, "writer": writer, "limit": advance_limit}
+    values |= {"beating_rank": rank, "beat_at": changes["heartbeat_at"]}
+    row = session.connection().execute(statement, values).first()
+    if row is None:
+        return None
+    run, attempt, _ = _beat_row(row._asdict())
+    return run, attempt
+
+
+@functools.cache
+def _beat_at_once(changed: frozenset[str], *, writer: bool, step: bool) -> Select[Any]:
+    """``beat_at_once``'s statement, built once for each kind of heartbeat."""
+    start = func.coalesce(Bundle.step, 0)
+    checks = [Attempt.epoch == Run.epoch, Attempt.ended_at.is_(None)]
+    if writer:
+        checks.append(Run.name == bindparam("writer"))
+    if step:
+        known = func.greatest(func.coalesce(Attempt.last_step, 0), start)
+        checks.append(bindparam("new_last_step") <= known + bindparam("limit"))
+    beating = _attempt_to_change(_BEAT_COLUMNS).where(*checks).cte("beating")
+    return select(beating).add_cte(*beat_writes(beating, changed, step=step))
+
+
+def _beat_row(values: dict[str, Any]) -> tuple[Run, Attempt, int]:
+    """A row of ``_BEAT_COLUMNS`` and ``start`` as a run and an attempt in no session."""
+    start = values.pop("start")
     run_values = {c.key: values.pop(f"run_{c.key}") for c in _RUN_OF_BEAT}
     run = detached(Run, {"id": values["run_id"], **run_values})
-    start = values.pop("start")
     return run, detached(Attempt, values), start
 
 
