@@ -58,7 +58,7 @@ def refresh_activity(session: Session, *, run_ids: Iterable[int]) -> None:
 def beat_activity(session: Session, attempt: Attempt, *, start: int, rank: int) -> None:
     """Write a heartbeat of ``rank`` of the run's newest ``attempt`` (resumed from step
     ``start``), which the caller holds locked and has changed (read in no session:
-    ``repository.get_attempt_to_beat``): the attempt's changes, the rank's row
+    ``beats.get_attempt_to_beat``): the attempt's changes, the rank's row
     (``attempt_rank``), and the run's activity, of which only that attempt's own part
     changes. On PostgreSQL one statement writes the three (data-modifying ``WITH``
     clauses): a heartbeat's writes, one round trip."""

@@ -15,11 +15,12 @@ from ckpt.core.goodput import redo_seconds
 from service import lineage
 from service.auth.principal import Principal
 from service.auth.service import require_write
+from service.bulk import with_json
 from service.context import Context
 from service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
 from service.metrics import Metrics
 from service.models import Attempt, Bundle, EndReason, Role, Run, utcnow
-from service.runs import fingerprints, repository
+from service.runs import beats, fingerprints, repository
 from service.runs.activity import beat_activity, refresh_activity
 from service.runs.roll_forward import roll_forward
 from service.runs.schemas import (
@@ -31,16 +32,17 @@ from service.runs.schemas import (
     AttemptTime,
     Heartbeat,
 )
-from service.runs.service import attempt_node, attempt_out, resumable_bundle, resume_point
+from service.runs.service import attempt_node, attempt_out, resumable_bundle, resume_json
 
 log = logging.getLogger("ckpt.runs")
 
 
 def register_attempt(
     context: Context, principal: Principal, *, name: str, request: AttemptCreate
-) -> AttemptRegistered:
+) -> str:
     """Register a new attempt of the run (creating the run if need be) and decide what it
-    resumes from. Its epoch fences every older attempt."""
+    resumes from. Its epoch fences every older attempt. Returns the JSON of an
+    ``AttemptRegistered`` (``resume_from``: ``runs.service.resume_json``)."""
     require_write(principal, name)
     if request.resume:
         roll_forward(context, principal, name=name)
@@ -63,13 +65,14 @@ def register_attempt(
             _count_steps_lost(
                 context.metrics, previous, before=None, after=_steps_lost(session, previous)
             )
-        return AttemptRegistered(
+        registered = AttemptRegistered(
             attempt_id=attempt.id,
             run=run.name,
             epoch=attempt.epoch,
-            resume_from=resume_point(start),
+            resume_from=None,
             store=context.store.url,
         )
+        return with_json(registered, resume_from=resume_json(session, start))
 
 
 def heartbeat(
@@ -116,7 +119,7 @@ def _beat_at_once(
     beat: Heartbeat,
     changes: dict[str, Any],
 ) -> AttemptOut | None:
-    """The heartbeat in one statement (``repository.beat_at_once``), if it is plain, by a
+    """The heartbeat in one statement (``beats.beat_at_once``), if it is plain, by a
     token that may write, on PostgreSQL, and its checks pass; else None, nothing written."""
     if beat.fingerprints or context.engine.dialect.name != "postgresql":
         return None
@@ -127,7 +130,7 @@ def _beat_at_once(
     else:
         return None
     with context.read() as session:  # autocommit: the statement is its own transaction
-        found = repository.beat_at_once(
+        found = beats.beat_at_once(
             session,
             attempt_id=attempt_id,
             writer=writer,
@@ -254,8 +257,8 @@ def locked_attempt(
 ) -> tuple[Attempt, Run, int]:
     """The attempt locked for a change, its run share-locked (the run first, as every other
     write locks), and the step it resumed from (0: it started fresh). One statement. With
-    ``to_beat``, read into no session (``repository.get_attempt_to_beat``)."""
-    get = repository.get_attempt_to_beat if to_beat else repository.get_attempt_to_change
+    ``to_beat``, read into no session (``beats.get_attempt_to_beat``)."""
+    get = beats.get_attempt_to_beat if to_beat else repository.get_attempt_to_change
     found = get(session, attempt_id=attempt_id)
     if found is None:
         raise NotFoundError(f"no attempt with id {attempt_id}")

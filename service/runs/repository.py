@@ -9,9 +9,9 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import CTE, BindParameter, Select, and_, bindparam, func, or_, select
+from sqlalchemy import CTE, BindParameter, Select, Text, and_, bindparam, cast, func, or_, select
 from sqlalchemy.engine import Row
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import Session, aliased, defer
 
 from service.lineage import AttemptNode
 from service.models import (
@@ -24,28 +24,41 @@ from service.models import (
     Run,
     utcnow,
 )
-from service.runs.activity import beat_writes, refresh_activity
-from service.sql import Lock, detached, insert, locked
+from service.runs.activity import refresh_activity
+from service.sql import Lock, insert, locked
 
 
 def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | None:
     return session.scalar(locked(select(Run).where(Run.name == name), lock))
 
 
-def get_run_and_head(session: Session, *, name: str) -> tuple[Run, Bundle | None] | None:
-    """The run and its head bundle, in one statement."""
+def get_run_and_head(
+    session: Session, *, name: str
+) -> tuple[Run, Bundle | None, str | None] | None:
+    """The run, its head bundle (but its manifest) and the head's manifest as the catalog
+    holds its JSON (``manifest_text``), in one statement."""
     found = session.execute(_run_and_head(), {"name": name}).first()
-    return (found[0], found[1]) if found else None
+    return (found[0], found[1], found[2]) if found else None
 
 
 @functools.cache
-def _run_and_head() -> Select[Run, Bundle]:
+def _run_and_head() -> Select[Run, Bundle, str]:
     """``/resumable``'s statement, built once: building it costs more than running it."""
     return (
-        select(Run, Bundle)
+        select(Run, Bundle, _MANIFEST_TEXT)
         .outerjoin(Bundle, Bundle.id == Run.head_bundle_id)
         .where(Run.name == bindparam("name"))
+        .options(defer(Bundle.manifest))
     )
+
+
+# A bundle's manifest as the catalog holds its JSON, not parsed (a 64-rank job's is 8 MB).
+_MANIFEST_TEXT = cast(Bundle.manifest, Text)
+
+
+def manifest_text(session: Session, *, bundle_id: int) -> str | None:
+    """The bundle's manifest as the catalog holds its JSON (None: no such bundle)."""
+    return session.scalar(select(_MANIFEST_TEXT).where(Bundle.id == bundle_id))
 
 
 def get_run_by_id(session: Session, *, run_id: int, lock: Lock = Lock.NONE) -> Run:
@@ -167,7 +180,7 @@ def get_attempt(session: Session, *, attempt_id: int, lock: Lock = Lock.NONE) ->
 # (opening a bundle locks the run, then references the attempt). SQLite has no row locks
 # (BEGIN IMMEDIATE).
 @functools.cache
-def _attempt_to_change(columns: tuple[Any, ...]) -> Select[Any]:
+def attempt_to_change(columns: tuple[Any, ...]) -> Select[Any]:
     return (
         select(*columns, func.coalesce(Bundle.step, 0).label("start"))
         .select_from(Run)
@@ -184,76 +197,9 @@ def _attempt_to_change(columns: tuple[Any, ...]) -> Select[Any]:
 def get_attempt_to_change(session: Session, *, attempt_id: int) -> tuple[Run, Attempt, int] | None:
     """The attempt locked for a change of its non-key columns, its run share-locked, and the
     step it resumed from (0: it started fresh)."""
-    found = session.execute(_attempt_to_change((Run, Attempt)), {"attempt_id": attempt_id})
+    found = session.execute(attempt_to_change((Run, Attempt)), {"attempt_id": attempt_id})
     row = found.first()
     return (row[0], row[1], row[2]) if row else None
-
-
-_RUN_OF_BEAT = (Run.name, Run.epoch)  # and its id, the attempt's run_id
-_BEAT_COLUMNS = (*(c.label(f"run_{c.key}") for c in _RUN_OF_BEAT), *Attempt.__table__.columns)
-
-
-def get_attempt_to_beat(session: Session, *, attempt_id: int) -> tuple[Run, Attempt, int] | None:
-    """``get_attempt_to_change`` for a heartbeat, the fleet's steady load: the same locks,
-    read as columns into a run (its id, name and epoch) and an attempt in no session, so no
-    identity map and no flush: the caller writes what it changes (``activity.beat_activity``).
-    That cut the CPU of a heartbeat's work by a third (docs/performance.md)."""
-    statement = _attempt_to_change(_BEAT_COLUMNS)
-    row = session.connection().execute(statement, {"attempt_id": attempt_id}).first()
-    if row is None:
-        return None
-    return _beat_row(row._asdict())
-
-
-def beat_at_once(
-    session: Session,
-    *,
-    attempt_id: int,
-    writer: str | None,
-    changes: dict[str, Any],
-    rank: int,
-    advance_limit: int,
-) -> tuple[Run, Attempt] | None:
-    """A heartbeat of an attempt training unfenced, in one statement: its checks in SQL, its
-    locks those of ``get_attempt_to_change``, its writes ``activity.beat_writes``. ``writer``:
-    the run a run token may write (None: an admin's); ``changes``: the attempt's new column
-    values (``heartbeat_at``, and ``last_step`` at most ``advance_limit`` ahead of what it
-    reached). Run in autocommit, it is a heartbeat's one round trip (four in a transaction).
-    Returns the run and the attempt as they were before it; None, having written nothing, if
-    a check failed (or no such attempt): the caller's full path says which."""
-    statement = _beat_at_once(
-        frozenset(changes), writer=writer is not None, step="last_step" in changes
-    )
-    values = {f"new_{name}": value for name, value in changes.items()}
-    values |= {"attempt_id": attempt_id, "writer": writer, "limit": advance_limit}
-    values |= {"beating_rank": rank, "beat_at": changes["heartbeat_at"]}
-    row = session.connection().execute(statement, values).first()
-    if row is None:
-        return None
-    run, attempt, _ = _beat_row(row._asdict())
-    return run, attempt
-
-
-@functools.cache
-def _beat_at_once(changed: frozenset[str], *, writer: bool, step: bool) -> Select[Any]:
-    """``beat_at_once``'s statement, built once for each kind of heartbeat."""
-    start = func.coalesce(Bundle.step, 0)
-    checks = [Attempt.epoch == Run.epoch, Attempt.ended_at.is_(None)]
-    if writer:
-        checks.append(Run.name == bindparam("writer"))
-    if step:
-        known = func.greatest(func.coalesce(Attempt.last_step, 0), start)
-        checks.append(bindparam("new_last_step") <= known + bindparam("limit"))
-    beating = _attempt_to_change(_BEAT_COLUMNS).where(*checks).cte("beating")
-    return select(beating).add_cte(*beat_writes(beating, changed, step=step))
-
-
-def _beat_row(values: dict[str, Any]) -> tuple[Run, Attempt, int]:
-    """A row of ``_BEAT_COLUMNS`` and ``start`` as a run and an attempt in no session."""
-    start = values.pop("start")
-    run_values = {c.key: values.pop(f"run_{c.key}") for c in _RUN_OF_BEAT}
-    run = detached(Run, {"id": values["run_id"], **run_values})
-    return run, detached(Attempt, values), start
 
 
 def run_attempts(session: Session, *, run_id: int) -> list[Attempt]:
