@@ -54,6 +54,19 @@ def rendered(model: BaseModel) -> Response:
     return Response(model.model_dump_json(by_alias=True), media_type="application/json")
 
 
+def with_json(model: BaseModel, **fields: str) -> str:
+    """``model``'s JSON with ``fields`` set to JSON texts as they are (not parsed and written
+    out again: ``runs.service.resume_json``)."""
+    text = model.model_dump_json(exclude=set(fields))
+    added = ",".join(f"{json.dumps(name)}:{value}" for name, value in fields.items())
+    return f"{text[:-1]}{',' if text != '{}' else ''}{added}}}"
+
+
+def json_answer(text: str, *, status_code: int = 200) -> Response:
+    """A JSON answer already written (a route that returns it names its ``response_model``)."""
+    return Response(text, status_code=status_code, media_type="application/json")
+
+
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """The ``openapi_extra`` that documents ``model`` as a route's JSON body (the route reads
     its body itself, so FastAPI does not know it). Models it refers to must be in the API's

@@ -5,7 +5,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from service.bulk import rendered
+from service.bulk import json_answer, rendered
 from service.deps import ContextDep, IdPath, PrincipalDep, PriorityDep, RunPath
 from service.errors import (
     ConflictError,
@@ -85,13 +85,13 @@ def patch_run(
 @router.post(
     "/runs/{run}/attempts",
     status_code=201,
+    response_model=AttemptRegistered,
     responses=responses(ForbiddenError, InvalidRequestError),
 )
-async def register_attempt(
-    run: RunPath, request: AttemptCreate, priority: PriorityDep
-) -> AttemptRegistered:
+async def register_attempt(run: RunPath, request: AttemptCreate, priority: PriorityDep) -> Response:
     """Register an attempt and get what it resumes from; fences every older attempt."""
-    return await priority.serve(partial(attempts.register_attempt, name=run, request=request))
+    work = partial(attempts.register_attempt, name=run, request=request)
+    return json_answer(await priority.serve(work), status_code=201)
 
 
 @router.post("/attempts/{attempt}/heartbeat", responses=responses(*ONE, FencedError))
@@ -147,10 +147,10 @@ def end_attempt(
     return attempts.end_attempt(context, principal, attempt_id=attempt, end=end)
 
 
-@router.get("/runs/{run}/resumable", responses=responses(*ONE))
-async def resumable(run: RunPath, priority: PriorityDep) -> ResumePoint:
+@router.get("/runs/{run}/resumable", response_model=ResumePoint, responses=responses(*ONE))
+async def resumable(run: RunPath, priority: PriorityDep) -> Response:
     """The latest resumable bundle of the run's live branch; 404 when there is none."""
-    return await priority.serve(partial(service.resumable, name=run))
+    return json_answer(await priority.serve(partial(service.resumable, name=run)))
 
 
 @router.get("/runs/{run}/lineage", response_model=Lineage, responses=responses(*ONE))

@@ -8,9 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.engine import Row
-from sqlalchemy.orm import Session, load_only
+from sqlalchemy.orm import Session, defer, load_only
 
-from ckpt.core.contract import Manifest
 from service import lineage
 from service.auth.principal import Principal
 from service.auth.service import require_admin, require_read, require_write
@@ -28,7 +27,6 @@ from service.runs.schemas import (
     Lineage,
     LineageBundle,
     ResumeEdge,
-    ResumePoint,
     RollbackEvent,
     RollbackOut,
     RollbackRequest,
@@ -112,20 +110,21 @@ def rollback(
         )
 
 
-def resumable(context: Context, principal: Principal, *, name: str) -> ResumePoint:
+def resumable(context: Context, principal: Principal, *, name: str) -> str:
+    """The run's resume point, as the JSON of a ``ResumePoint`` (``resume_json``)."""
     require_read(principal, name)
     with context.read() as session:
         found = repository.get_run_and_head(session, name=name)
         if found is None:
             raise NotFoundError(f"no run named {name!r}")
-        run, head = found
-        point = resume_point(resumable_bundle(session, run, head=head))
-        if point is None:
+        run, head, head_manifest = found
+        start = resumable_bundle(session, run, head=head)
+        if start is None:
             raise NotFoundError(
                 f"run {name!r} has no resumable bundle yet: no bundle of its live branch is "
                 "complete (every rank's six layers recorded and every blob verified)"
             )
-        return point
+        return resume_json(session, start, manifest=head_manifest if start is head else None)
 
 
 def run_goodput(context: Context, principal: Principal, *, name: str) -> RunGoodput:
@@ -270,13 +269,17 @@ def catalog_nodes(session: Session) -> Callable[[int], Node | None]:
     return lookup
 
 
+_NO_MANIFEST = [defer(Bundle.manifest)]
+
+
 def resumable_bundle(session: Session, run: Run, *, head: Bundle | None = None) -> Bundle | None:
     """The newest complete bundle of the run's live branch (the walk loads each bundle it
-    passes whole, once: ``head``, when the caller read it already, is not read again)."""
+    passes once, but its manifest, read when asked for: ``head``, when the caller read it
+    already, is not read again)."""
     passed = {head.id: head} if head else {}
 
     def lookup(bundle_id: int) -> Node | None:
-        bundle = passed.get(bundle_id) or session.get(Bundle, bundle_id)
+        bundle = passed.get(bundle_id) or session.get(Bundle, bundle_id, options=_NO_MANIFEST)
         if bundle is None:
             return None
         passed[bundle_id] = bundle  # held: the session's identity map holds it weakly
@@ -358,17 +361,19 @@ def attempt_node(attempt: Attempt, step_of: Callable[[int], int | None]) -> Atte
     )
 
 
-def resume_point(bundle: Bundle | None) -> ResumePoint | None:
-    """What an attempt resumes from: the bundle and its manifest (None: it starts fresh)."""
+def resume_json(session: Session, bundle: Bundle | None, *, manifest: str | None = None) -> str:
+    """What an attempt resumes from, as the JSON of a ``ResumePoint`` (``null``: it starts
+    fresh), its manifest as the catalog holds it (``manifest``, when the caller read it):
+    checked when its bundle committed, and the client checks it again. Parsed, checked and
+    written out again, a 64-rank job's manifest (8 MB, 77,000 tensors) held the GIL for
+    0.7 s of every registration and ``/resumable`` (docs/performance.md)."""
     if bundle is None:
-        return None
-    assert bundle.manifest is not None, "a complete bundle has a manifest"
-    return ResumePoint(
-        bundle_id=bundle.id,
-        step=bundle.step,
-        micro_step=bundle.micro_step,
-        manifest=Manifest.model_validate(bundle.manifest),
-    )
+        return "null"
+    if manifest is None:
+        manifest = repository.manifest_text(session, bundle_id=bundle.id)
+    assert manifest is not None, "a complete bundle has a manifest"
+    position = f'"bundle_id":{bundle.id},"step":{bundle.step},"micro_step":{bundle.micro_step}'
+    return f'{{{position},"manifest":{manifest}}}'
 
 
 def _run(session: Session, name: str, *, lock: Lock = Lock.NONE) -> Run:
