@@ -79,7 +79,7 @@ def heartbeat(
     context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
 ) -> AttemptOut:
     """Record a heartbeat of one rank. A plain one (an attempt training unfenced, a step
-    within reach, no fingerprints) is one statement on PostgreSQL (``beat_at_once``); any
+    within reach, no fingerprints) is one statement on PostgreSQL (``beats.beat_at_once``); any
     other, or one that statement's checks turn away, takes the full path, which says why."""
     changes = _beat_changes(beat)
     at_once = _beat_at_once(context, principal, attempt_id=attempt_id, beat=beat, changes=changes)
