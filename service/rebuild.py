@@ -129,9 +129,11 @@ def _add_bundle(
                 bundle_id=bundle.id,
                 rank=record.rank,
                 layer=layer,
-                payload_bytes=layer_record.payload_bytes,
-                record=layer_record.model_dump(mode="json"),
-                blobs=[b.sha256 for b in layer_record.blobs],
+                new=repository.NewLayer(
+                    payload_bytes=layer_record.payload_bytes,
+                    record=layer_record.model_dump(mode="json"),
+                    blobs=[b.sha256 for b in layer_record.blobs],
+                ),
             )
     return bundle
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
@@ -88,44 +89,68 @@ def layer_ids(session: Session, *, bundle_id: int) -> dict[tuple[int, str], int]
     return {(rank, layer): layer_id for rank, layer, layer_id in rows}
 
 
-def get_layer(session: Session, *, bundle_id: int, rank: int, layer: str) -> Layer | None:
-    return session.scalar(
-        select(Layer).where(Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer == layer)
+def get_layers(
+    session: Session, *, bundle_id: int, rank: int, layers: Collection[str]
+) -> dict[str, Layer]:
+    """The rank's ``layers`` of the bundle that are recorded, by name; one statement."""
+    rows = session.scalars(
+        select(Layer).where(
+            Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer.in_(sorted(layers))
+        )
     )
+    return {row.layer: row for row in rows}
 
 
-def insert_layer(
-    session: Session,
-    *,
-    bundle_id: int,
-    rank: int,
-    layer: str,
-    payload_bytes: int,
-    record: dict[str, object],
-    blobs: list[str],
-) -> bool:
-    """Insert a layer and its blob references unless it exists; whether it was inserted."""
+@dataclass(frozen=True)
+class NewLayer:
+    """A layer to record: its payload's size, its record as JSON, its blobs in order."""
+
+    payload_bytes: int
+    record: dict[str, object]
+    blobs: list[str]
+
+
+def insert_layers(
+    session: Session, *, bundle_id: int, rank: int, layers: dict[str, NewLayer]
+) -> set[str]:
+    """Insert the rank's ``layers`` that are not recorded, and their blob references: one
+    statement for the layers, one for every thousand references. Returns the names of those
+    inserted (one that another transaction recorded meanwhile is not)."""
+    if not layers:
+        return set()
+    now = utcnow()
+    rows = [
+        {
+            "bundle_id": bundle_id,
+            "rank": rank,
+            "layer": name,
+            "payload_bytes": new.payload_bytes,
+            "record": new.record,
+            "recorded_at": now,
+        }
+        for name, new in layers.items()
+    ]
     result = session.execute(
         insert(session, Layer)
-        .values(
-            bundle_id=bundle_id,
-            rank=rank,
-            layer=layer,
-            payload_bytes=payload_bytes,
-            record=record,
-            recorded_at=utcnow(),
-        )
+        .values(rows)
         .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
-        .returning(Layer.id)
+        .returning(Layer.id, Layer.layer)
     )
-    layer_id = result.scalar()
-    if layer_id is None:
-        return False
-    rows = [{"layer_id": layer_id, "seq": i, "blob_sha256": sha} for i, sha in enumerate(blobs)]
-    for start in range(0, len(rows), _BATCH):
+    ids = {name: layer_id for layer_id, name in result}
+    references = [
+        {"layer_id": layer_id, "seq": i, "blob_sha256": sha}
+        for name, layer_id in ids.items()
+        for i, sha in enumerate(layers[name].blobs)
+    ]
+    for start in range(0, len(references), _BATCH):
         statement = insert(session, LayerBlob)
-        session.execute(statement.values(rows[start : start + _BATCH]))
-    return True
+        session.execute(statement.values(references[start : start + _BATCH]))
+    return set(ids)
+
+
+def insert_layer(session: Session, *, bundle_id: int, rank: int, layer: str, new: NewLayer) -> bool:
+    """``insert_layers`` of one layer: whether it was inserted."""
+    return bool(insert_layers(session, bundle_id=bundle_id, rank=rank, layers={layer: new}))
 
 
 def put_save(

@@ -110,40 +110,41 @@ def record_layers(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
                 f"{bundle.world_size} (ranks 0-{bundle.world_size - 1})"
             )
-        found = {
-            layer: repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
-            for layer in put.layers
-        }
-        new = {layer: put.layers[layer] for layer, row in found.items() if row is None}
+        found = repository.get_layers(session, bundle_id=bundle.id, rank=rank, layers=put.layers)
+        new = {layer: record for layer, record in put.layers.items() if layer not in found}
         _claim(session, bundle, records=new.values())
+        contents = {layer: record.model_dump(mode="json") for layer, record in put.layers.items()}
+        inserted = repository.insert_layers(
+            session,
+            bundle_id=bundle.id,
+            rank=rank,
+            layers={
+                layer: repository.NewLayer(
+                    payload_bytes=record.payload_bytes,
+                    record=contents[layer],
+                    blobs=[blob.sha256 for blob in record.blobs],
+                )
+                for layer, record in new.items()
+            },
+        )
+        if len(inserted) < len(new):  # another transaction recorded some meanwhile
+            raced = [layer for layer in new if layer not in inserted]
+            found |= repository.get_layers(session, bundle_id=bundle.id, rank=rank, layers=raced)
+        for layer in put.layers:
+            if layer not in inserted and found[layer].record != contents[layer]:
+                raise ConflictError(
+                    f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded "
+                    "with other content; a layer is recorded once (open a bundle at a new step)"
+                )
         return [
-            _record(session, bundle, rank=rank, layer=layer, record=record, existing=found[layer])
+            RecordedLayer(
+                rank=rank,
+                layer=layer,
+                payload_bytes=record.payload_bytes,
+                num_blobs=len(record.blobs),
+            )
             for layer, record in put.layers.items()
         ]
-
-
-def _record(
-    session: Session,
-    bundle: Bundle,
-    *,
-    rank: int,
-    layer: Layer,
-    record: LayerRecord,
-    existing: models.Layer | None,
-) -> RecordedLayer:
-    """Record one layer in the caller's transaction (its blobs claimed); the same content
-    again is a no-op."""
-    content = record.model_dump(mode="json")
-    if existing is None:
-        existing = _insert_layer(session, bundle, rank=rank, layer=layer, record=record)
-    if existing.record != content:
-        raise ConflictError(
-            f"rank {rank}'s {layer} layer of bundle {bundle.id} is already recorded with "
-            "other content; a layer is recorded once (open a bundle at a new step)"
-        )
-    return RecordedLayer(
-        rank=rank, layer=layer, payload_bytes=existing.payload_bytes, num_blobs=len(record.blobs)
-    )
 
 
 def blobs_missing(context: Context, principal: Principal, query: BlobsQuery) -> BlobsMissing:
@@ -305,24 +306,6 @@ def recorded_layers(rows: Iterable[models.Layer]) -> list[RecordedLayer]:
         )
         for row in rows
     ]
-
-
-def _insert_layer(
-    session: Session, bundle: Bundle, *, rank: int, layer: Layer, record: LayerRecord
-) -> models.Layer:
-    """Record a layer seen for the first time (its blobs claimed)."""
-    repository.insert_layer(
-        session,
-        bundle_id=bundle.id,
-        rank=rank,
-        layer=layer,
-        payload_bytes=record.payload_bytes,
-        record=record.model_dump(mode="json"),
-        blobs=[blob.sha256 for blob in record.blobs],
-    )
-    inserted = repository.get_layer(session, bundle_id=bundle.id, rank=rank, layer=layer)
-    assert inserted is not None
-    return inserted
 
 
 def _check_extends_head(

@@ -9,7 +9,7 @@ import httpx
 
 from ckpt.core.contract import RESTORE_ORDER, LayerRecord
 from tests.service.conftest import Server
-from tests.service.helpers import commit, make_layer, open_bundle, record, register
+from tests.service.helpers import commit, make_layer, open_bundle, record, register, statements
 from tests.service.test_isolation import token
 
 
@@ -127,3 +127,32 @@ def test_a_record_carries_the_figures_of_earlier_saves(server: Server, run_name:
         assert [{k: s[k] for k in figures} for s in shown] == [figures]
         assert shown[0]["rank"] == 0
         assert len(recorded(client, second)) == len(layers)
+
+
+def test_a_ranks_record_runs_as_many_statements_for_six_layers_as_for_one(
+    server: Server, run_name: str
+) -> None:
+    """One lookup and one insert of the rank's layers, one insert of their blob references
+    (a statement per layer, three for each new one, was 44% of the GIL a fleet's server
+    held: docs/performance.md)."""
+    with server.client() as client:
+        attempt = register(client, run_name)
+        opened = open_bundle(client, run_name, attempt, step=1, world_size=2)
+        assert opened.status_code == 201, opened.text
+        bundle_id, epoch = opened.json()["id"], attempt["epoch"]
+        every = body(records(server))
+        one = {"weights": every["weights"]}
+        counted = {
+            rank: statements(
+                server,
+                lambda rank=rank, layers=layers: record_all(  # type: ignore[misc]
+                    client, bundle_id, rank, epoch, layers
+                ).raise_for_status(),
+            )
+            for rank, layers in ((0, one), (1, every))
+        }
+        assert counted[0] == counted[1]
+        again = statements(
+            server, lambda: record_all(client, bundle_id, 1, epoch, every).raise_for_status()
+        )
+        assert again < counted[1]  # recorded already: looked up, nothing inserted
