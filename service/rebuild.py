@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from ckpt.core.contract import CatalogRef, Manifest
 from ckpt.core.errors import StoreError
 from ckpt.core.storage import keys
-from service.bundles import repository
+from service.bundles import layers, repository
 from service.context import Context
 from service.errors import StoreUnavailableError
 from service.events import service as events
@@ -124,12 +124,12 @@ def _add_bundle(
     for record in manifest.ranks:
         for layer, layer_record in record.layers.items():
             repository.claim_blobs(session, sizes={b.sha256: b.size for b in layer_record.blobs})
-            repository.insert_layer(
+            layers.insert_layer(
                 session,
                 bundle_id=bundle.id,
                 rank=record.rank,
                 layer=layer,
-                new=repository.NewLayer(
+                new=layers.NewLayer(
                     payload_bytes=layer_record.payload_bytes,
                     record=layer_record.model_dump(mode="json"),
                     blobs=[b.sha256 for b in layer_record.blobs],

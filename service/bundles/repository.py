@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
@@ -21,7 +20,7 @@ from service.models import (
 from service.sql import Lock, ids_in, insert, locked, one_of
 
 # Rows per statement: Postgres takes at most 65535 bind parameters per query.
-_BATCH = 1000
+BATCH = 1000
 T = TypeVar("T")
 
 
@@ -89,70 +88,6 @@ def layer_ids(session: Session, *, bundle_id: int) -> dict[tuple[int, str], int]
     return {(rank, layer): layer_id for rank, layer, layer_id in rows}
 
 
-def get_layers(
-    session: Session, *, bundle_id: int, rank: int, layers: Collection[str]
-) -> dict[str, Layer]:
-    """The rank's ``layers`` of the bundle that are recorded, by name; one statement."""
-    rows = session.scalars(
-        select(Layer).where(
-            Layer.bundle_id == bundle_id, Layer.rank == rank, Layer.layer.in_(sorted(layers))
-        )
-    )
-    return {row.layer: row for row in rows}
-
-
-@dataclass(frozen=True)
-class NewLayer:
-    """A layer to record: its payload's size, its record as JSON, its blobs in order."""
-
-    payload_bytes: int
-    record: dict[str, object]
-    blobs: list[str]
-
-
-def insert_layers(
-    session: Session, *, bundle_id: int, rank: int, layers: dict[str, NewLayer]
-) -> set[str]:
-    """Insert the rank's ``layers`` that are not recorded, and their blob references: one
-    statement for the layers, one for every thousand references. Returns the names of those
-    inserted (one that another transaction recorded meanwhile is not)."""
-    if not layers:
-        return set()
-    now = utcnow()
-    rows = [
-        {
-            "bundle_id": bundle_id,
-            "rank": rank,
-            "layer": name,
-            "payload_bytes": new.payload_bytes,
-            "record": new.record,
-            "recorded_at": now,
-        }
-        for name, new in layers.items()
-    ]
-    result = session.execute(
-        insert(session, Layer)
-        .values(rows)
-        .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
-        .returning(Layer.id, Layer.layer)
-    )
-    ids = {name: layer_id for layer_id, name in result}
-    references = [
-        {"layer_id": layer_id, "seq": i, "blob_sha256": sha}
-        for name, layer_id in ids.items()
-        for i, sha in enumerate(layers[name].blobs)
-    ]
-    for start in range(0, len(references), _BATCH):
-        statement = insert(session, LayerBlob)
-        session.execute(statement.values(references[start : start + _BATCH]))
-    return set(ids)
-
-
-def insert_layer(session: Session, *, bundle_id: int, rank: int, layer: str, new: NewLayer) -> bool:
-    """``insert_layers`` of one layer: whether it was inserted."""
-    return bool(insert_layers(session, bundle_id=bundle_id, rank=rank, layers={layer: new}))
-
-
 def put_save(
     session: Session,
     *,
@@ -198,11 +133,11 @@ def claim_blobs(session: Session, *, sizes: Mapping[str, int]) -> None:
         return
     now = utcnow()
     ordered = sorted(sizes)
-    for start in range(0, len(ordered), _BATCH):
+    for start in range(0, len(ordered), BATCH):
         statement = insert(session, Blob).values(
             [
                 {"sha256": sha, "size": sizes[sha], "created_at": now, "claimed_at": now}
-                for sha in ordered[start : start + _BATCH]
+                for sha in ordered[start : start + BATCH]
             ]
         )
         session.execute(
@@ -217,8 +152,8 @@ def blobs_by_sha(session: Session, *, shas: Collection[str]) -> dict[str, Blob]:
     locked (a ``sorted`` of 10,000 would hold the GIL 2 ms)."""
     found: dict[str, Blob] = {}
     ordered = list(shas)
-    for start in range(0, len(ordered), _BATCH):
-        chunk = ordered[start : start + _BATCH]
+    for start in range(0, len(ordered), BATCH):
+        chunk = ordered[start : start + BATCH]
         found.update(
             (b.sha256, b)
             for b in session.scalars(select(Blob).where(one_of(session, Blob.sha256, chunk)))
@@ -240,8 +175,8 @@ def lock_blobs(session: Session, *, shas: Collection[str]) -> dict[str, Health]:
     health."""
     found: dict[str, Health] = {}
     ordered = sorted(shas)
-    for start in range(0, len(ordered), _BATCH):
-        chunk = ordered[start : start + _BATCH]
+    for start in range(0, len(ordered), BATCH):
+        chunk = ordered[start : start + BATCH]
         rows = session.execute(
             select(Blob.sha256, Blob.verified_at, Blob.damaged_at, Blob.size)
             .where(one_of(session, Blob.sha256, chunk))
@@ -285,10 +220,10 @@ def mark_verified(
         changes += [(sorted(sizes), values), (sorted(hashed), {"hashed_at": at})]
     changes += [(shas, {"size": size}) for size, shas in resized.items()]
     for shas, change in changes:
-        for start in range(0, len(shas), _BATCH):
+        for start in range(0, len(shas), BATCH):
             session.execute(
                 update(Blob)
-                .where(one_of(session, Blob.sha256, shas[start : start + _BATCH]))
+                .where(one_of(session, Blob.sha256, shas[start : start + BATCH]))
                 .values(change)
                 .execution_options(synchronize_session=False)
             )
@@ -301,10 +236,10 @@ def mark_hashed(session: Session, *, shas: Collection[str], at: datetime) -> Non
     with a record claiming the same blobs."""
     lock_blobs(session, shas=shas)
     ordered = sorted(shas)
-    for start in range(0, len(ordered), _BATCH):
+    for start in range(0, len(ordered), BATCH):
         session.execute(
             update(Blob)
-            .where(one_of(session, Blob.sha256, ordered[start : start + _BATCH]))
+            .where(one_of(session, Blob.sha256, ordered[start : start + BATCH]))
             .where(Blob.damaged_at.is_(None))
             .values(hashed_at=at)
             .execution_options(synchronize_session=False)
@@ -315,7 +250,7 @@ def mark_damaged(session: Session, *, damage: Mapping[str, str], at: datetime) -
     """Record that these blobs were found absent or damaged (``damage``: the problem): they
     are not verified any more. The caller holds their row locks."""
     ordered = sorted(damage)
-    for start in range(0, len(ordered), _BATCH):
+    for start in range(0, len(ordered), BATCH):
         session.execute(
             update(Blob),
             [
@@ -326,7 +261,7 @@ def mark_damaged(session: Session, *, damage: Mapping[str, str], at: datetime) -
                     "verified_at": None,
                     "hashed_at": None,
                 }
-                for sha in ordered[start : start + _BATCH]
+                for sha in ordered[start : start + BATCH]
             ],
         )
 
@@ -356,8 +291,8 @@ def complete_users(session: Session, *, shas: Collection[str]) -> list[tuple[Bun
 
 
 def _chunks(values: list[T]) -> list[list[T]]:
-    """``values`` in statements of at most ``_BATCH`` parameters each."""
-    return [values[start : start + _BATCH] for start in range(0, len(values), _BATCH)]
+    """``values`` in statements of at most ``BATCH`` parameters each."""
+    return [values[start : start + BATCH] for start in range(0, len(values), BATCH)]
 
 
 def referenced_by_runs(
@@ -367,14 +302,14 @@ def referenced_by_runs(
     references. Read in any order: nothing is locked."""
     found: set[str] = set()
     ordered = list(shas)
-    for start in range(0, len(ordered), _BATCH):
+    for start in range(0, len(ordered), BATCH):
         found.update(
             session.scalars(
                 select(LayerBlob.blob_sha256)
                 .join(Layer, Layer.id == LayerBlob.layer_id)
                 .join(Bundle, Bundle.id == Layer.bundle_id)
                 .where(
-                    one_of(session, LayerBlob.blob_sha256, ordered[start : start + _BATCH]),
+                    one_of(session, LayerBlob.blob_sha256, ordered[start : start + BATCH]),
                     ids_in(session, Bundle.run_id, run_ids),
                     Bundle.status.in_(statuses),
                 )

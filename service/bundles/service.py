@@ -13,7 +13,7 @@ from ckpt.core.contract import Imported, Layer, LayerRecord, Manifest, SaveFigur
 from service import completeness, models
 from service.auth.principal import Principal
 from service.auth.service import require_read, require_write, require_writer
-from service.bundles import isolation, repository
+from service.bundles import isolation, layers, repository
 from service.bundles.blobs import stored_sizes
 from service.bundles.fencing import check_epoch, for_write
 from service.bundles.schemas import (
@@ -93,8 +93,8 @@ def record_layer(
     put: LayerPut,
 ) -> RecordedLayer:
     """Record one rank's layer; recording the same content again is a no-op."""
-    layers = LayersPut(epoch=put.epoch, layers={layer: put.record})
-    return record_layers(context, principal, bundle_id=bundle_id, rank=rank, put=layers)[0]
+    every = LayersPut(epoch=put.epoch, layers={layer: put.record})
+    return record_layers(context, principal, bundle_id=bundle_id, rank=rank, put=every)[0]
 
 
 def record_layers(
@@ -110,16 +110,16 @@ def record_layers(
                 f"rank {rank} is out of range: bundle {bundle.id} has world size "
                 f"{bundle.world_size} (ranks 0-{bundle.world_size - 1})"
             )
-        found = repository.get_layers(session, bundle_id=bundle.id, rank=rank, layers=put.layers)
+        found = layers.get_layers(session, bundle_id=bundle.id, rank=rank, layers=put.layers)
         new = {layer: record for layer, record in put.layers.items() if layer not in found}
         _claim(session, bundle, records=new.values())
         contents = {layer: record.model_dump(mode="json") for layer, record in put.layers.items()}
-        inserted = repository.insert_layers(
+        inserted = layers.insert_layers(
             session,
             bundle_id=bundle.id,
             rank=rank,
             layers={
-                layer: repository.NewLayer(
+                layer: layers.NewLayer(
                     payload_bytes=record.payload_bytes,
                     record=contents[layer],
                     blobs=[blob.sha256 for blob in record.blobs],
@@ -129,7 +129,7 @@ def record_layers(
         )
         if len(inserted) < len(new):  # another transaction recorded some meanwhile
             raced = [layer for layer in new if layer not in inserted]
-            found |= repository.get_layers(session, bundle_id=bundle.id, rank=rank, layers=raced)
+            found |= layers.get_layers(session, bundle_id=bundle.id, rank=rank, layers=raced)
         for layer in put.layers:
             if layer not in inserted and found[layer].record != contents[layer]:
                 raise ConflictError(
