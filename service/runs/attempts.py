@@ -151,8 +151,7 @@ def _beat_changes(beat: Heartbeat) -> dict[str, Any]:
     if beat.step is not None:
         changes["last_step"] = beat.step
     if beat.time is not None:
-        changes |= {f"{part}_seconds": getattr(beat.time, f"{part}_seconds") for part in PARTS}
-        changes["steps_trained"] = beat.time.steps_trained
+        changes |= _time_columns(beat.time)
     if beat.interval_seconds is not None:
         changes["interval_seconds"] = beat.interval_seconds
         changes["waste_seconds_per_hour"] = beat.waste_seconds_per_hour
@@ -324,9 +323,16 @@ PARTS = ("restart", "stall", "train")  # an attempt's time figures: <part>_secon
 def _account(metrics: Metrics, attempt: Attempt, time: AttemptTime) -> None:
     """Keep the attempt's latest time figures; count what they add in the metrics."""
     _count_time(metrics, attempt, time)
-    for part in PARTS:
-        setattr(attempt, f"{part}_seconds", getattr(time, f"{part}_seconds"))
-    attempt.steps_trained = time.steps_trained
+    for name, value in _time_columns(time).items():
+        setattr(attempt, name, value)
+
+
+def _time_columns(time: AttemptTime) -> dict[str, Any]:
+    """The attempt's columns that keep its time figures, set to ``time``'s."""
+    columns: dict[str, Any] = {
+        f"{part}_seconds": getattr(time, f"{part}_seconds") for part in PARTS
+    }
+    return columns | {"steps_trained": time.steps_trained}
 
 
 def _count_time(metrics: Metrics, attempt: Attempt, time: AttemptTime) -> None:
