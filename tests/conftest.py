@@ -14,6 +14,11 @@ from tests.server_process import TRAINER_HANG_GUARD
 
 RunTrainer = Callable[..., dict[str, Any]]
 
+# MKL picks how many threads a matrix product uses (MKL_DYNAMIC), and the last bits of a
+# product depend on it (a tiny GPT-2 trained with 1 MKL thread differs from 2 at step 3):
+# pinned, two runs of one job compute alike, and a comparison of them tests the resume.
+ARITHMETIC = {"MKL_DYNAMIC": "FALSE"}
+
 
 def run_trainer(
     store: Path | str,
@@ -40,7 +45,7 @@ def run_trainer(
         text=True,
         timeout=TRAINER_HANG_GUARD,
         check=False,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **ARITHMETIC, **(env or {})},
     )
     assert done.returncode == expect_rc, (
         f"{command} exited {done.returncode}:\n{done.stderr[-4000:]}"
