@@ -75,6 +75,12 @@ def ids_in(
     return column.in_(sorted(ids))
 
 
+def plain_words(words: Collection[str]) -> _Words:
+    """``words`` (ASCII letters and digits) as a ``varchar[]`` parameter of a textual
+    statement, sent as one array literal (see ``one_of``)."""
+    return _Words(words)
+
+
 class _Words:
     """Words of ASCII letters and digits as an array literal, which they need neither
     quoted nor escaped in (checked with bytes methods: a regular expression, or
