@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
@@ -47,52 +48,58 @@ def insert_layers(
         return set()
     now = utcnow()
     if session.get_bind().dialect.name == "postgresql":
-        rows = [
-            {"layer": name, "payload_bytes": new.payload_bytes, "record": new.record}
-            for name, new in layers.items()
-        ]
-        found = session.execute(
-            _NEW_LAYERS,
-            {"bundle_id": bundle_id, "rank": rank, "rows": json.dumps(rows), "now": now},
-        )
-        ids = {name: layer_id for layer_id, name in found}
-        references = [
-            (layer_id, i, sha)
-            for name, layer_id in ids.items()
-            for i, sha in enumerate(layers[name].blobs)
-        ]
-        if references:
-            layer_ids, seqs, shas = zip(*references, strict=True)
-            session.execute(
-                _REFERENCES, {"ids": list(layer_ids), "seqs": list(seqs), "shas": plain_words(shas)}
-            )
-        return set(ids)
+        return _insert_as_arrays(session, bundle_id=bundle_id, rank=rank, layers=layers, now=now)
+    rows = [
+        {
+            "bundle_id": bundle_id,
+            "rank": rank,
+            "layer": name,
+            "payload_bytes": new.payload_bytes,
+            "record": new.record,
+            "recorded_at": now,
+        }
+        for name, new in layers.items()
+    ]
     result = session.execute(
         insert(session, Layer)
-        .values(
-            [
-                {
-                    "bundle_id": bundle_id,
-                    "rank": rank,
-                    "layer": name,
-                    "payload_bytes": new.payload_bytes,
-                    "record": new.record,
-                    "recorded_at": now,
-                }
-                for name, new in layers.items()
-            ]
-        )
+        .values(rows)
         .on_conflict_do_nothing(index_elements=["bundle_id", "rank", "layer"])
         .returning(Layer.id, Layer.layer)
     )
     ids = {name: layer_id for layer_id, name in result}
-    listed = [
+    references = [
         {"layer_id": layer_id, "seq": i, "blob_sha256": sha}
         for name, layer_id in ids.items()
         for i, sha in enumerate(layers[name].blobs)
     ]
-    for start in range(0, len(listed), BATCH):
-        session.execute(insert(session, LayerBlob).values(listed[start : start + BATCH]))
+    for start in range(0, len(references), BATCH):
+        statement = insert(session, LayerBlob)
+        session.execute(statement.values(references[start : start + BATCH]))
+    return set(ids)
+
+
+def _insert_as_arrays(
+    session: Session, *, bundle_id: int, rank: int, layers: dict[str, NewLayer], now: datetime
+) -> set[str]:
+    """``insert_layers`` on PostgreSQL: two statements, each compiled once."""
+    rows = [
+        {"layer": name, "payload_bytes": new.payload_bytes, "record": new.record}
+        for name, new in layers.items()
+    ]
+    inserted = session.execute(
+        _NEW_LAYERS, {"bundle_id": bundle_id, "rank": rank, "rows": json.dumps(rows), "now": now}
+    )
+    ids = {name: layer_id for layer_id, name in inserted}
+    references = [
+        (layer_id, i, sha)
+        for name, layer_id in ids.items()
+        for i, sha in enumerate(layers[name].blobs)
+    ]
+    if references:
+        layer_ids, seqs, shas = zip(*references, strict=True)
+        session.execute(
+            _REFERENCES, {"ids": list(layer_ids), "seqs": list(seqs), "shas": plain_words(shas)}
+        )
     return set(ids)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from ckpt.core.contract import RESTORE_ORDER, LayerRecord
+from service.bundles import layers
 from tests.service.conftest import Server
 from tests.service.helpers import commit, make_layer, open_bundle, record, register, statements
 from tests.service.test_isolation import token
@@ -156,3 +158,41 @@ def test_a_ranks_record_runs_as_many_statements_for_six_layers_as_for_one(
             server, lambda: record_all(client, bundle_id, 1, epoch, every).raise_for_status()
         )
         assert again < counted[1]  # recorded already: looked up, nothing inserted
+
+
+def test_layers_another_record_inserted_meanwhile_are_compared_not_inserted_again(
+    server: Server, run_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lookup misses a layer that a concurrent record inserts before this one's insert:
+    # the insert skips it (ON CONFLICT), it is read again and compared.
+    lookup = layers.get_layers
+    missed: list[str] = []
+
+    def missing_once(session: Any, **where: Any) -> dict[str, Any]:
+        if not missed:
+            missed.append("the first lookup")
+            return {}
+        return lookup(session, **where)
+
+    with server.client() as client:
+        attempt = register(client, run_name)
+        opened = open_bundle(client, run_name, attempt, step=1, world_size=1)
+        bundle_id, epoch = opened.json()["id"], attempt["epoch"]
+        every = body(records(server))
+        weights = {"weights": every["weights"]}
+        record_all(client, bundle_id, 0, epoch, weights).raise_for_status()
+        other = body({"weights": make_layer(server.store)[0]})
+        with monkeypatch.context() as patched:
+            patched.setattr(layers, "get_layers", missing_once)
+            refused = record_all(client, bundle_id, 0, epoch, {**every, **other})
+        assert refused.status_code == 409, refused.text
+        assert "already recorded with other content" in refused.json()["message"]
+        assert recorded(client, bundle_id) == [(0, "weights")]  # nothing of the request
+        missed.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(layers, "get_layers", missing_once)
+            record_all(client, bundle_id, 0, epoch, every).raise_for_status()
+        assert missed  # the lookup did miss it
+        assert recorded(client, bundle_id) == sorted((0, layer) for layer in every)
+        committed = commit(client, bundle_id, epoch)
+        assert committed.status_code == 200, committed.text
