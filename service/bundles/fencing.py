@@ -4,15 +4,16 @@ current one."""
 
 from __future__ import annotations
 
+import functools
+
+from sqlalchemy import Select, bindparam, select
 from sqlalchemy.orm import Session
 
 from service.auth.principal import Principal
 from service.auth.service import require_write
-from service.bundles import repository
 from service.context import Context
 from service.errors import FencedError, NotFoundError
 from service.models import Attempt, Bundle, Role, Run
-from service.runs import repository as runs_repository
 from service.sql import Lock
 
 
@@ -25,20 +26,40 @@ def for_write(
     bundle_lock: Lock | None = None,
 ) -> tuple[Bundle, Run, Attempt | None]:
     """The bundle, its run and attempt, authorized for writing; rows locked run first (the
-    bundle with ``bundle_lock`` when given, else ``lock``)."""
-    found = repository.get_bundle(session, bundle_id=bundle_id)
+    bundle with ``bundle_lock`` when given, else ``lock``). One statement: it was four (the
+    bundle, its run locked, the bundle locked, the attempt), a fifth of a record's CPU."""
+    found = session.execute(
+        _bundle_to_write(lock, bundle_lock or lock), {"bundle_id": bundle_id}
+    ).first()
     if found is None:
         raise NotFoundError(f"no bundle with id {bundle_id}")
-    run = runs_repository.get_run_by_id(session, run_id=found.run_id, lock=lock)
+    run, bundle, attempt = found
     require_write(principal, run.name)
-    bundle = repository.get_bundle(session, bundle_id=bundle_id, lock=bundle_lock or lock)
-    assert bundle is not None
-    attempt = (
-        runs_repository.get_attempt(session, attempt_id=bundle.attempt_id)
-        if bundle.attempt_id is not None
-        else None
-    )
     return bundle, run, attempt
+
+
+# Built once per pair of locks (building one costs more CPU than running it). The locks are
+# taken run first, as every write locks them (PostgreSQL locks in the order of the FROM list
+# and the FOR clauses, run first in both; SQLite
+# has no row locks: BEGIN IMMEDIATE). The attempt is read, not locked.
+@functools.cache
+def _bundle_to_write(lock: Lock, bundle_lock: Lock) -> Select[Run, Bundle, Attempt]:
+    clauses = [
+        f"{_FOR[held]} OF {table.__tablename__}"
+        for held, table in ((lock, Run), (bundle_lock, Bundle))
+        if held is not Lock.NONE
+    ]
+    statement = (
+        select(Run, Bundle, Attempt)
+        .select_from(Run)
+        .join(Bundle, Bundle.run_id == Run.id)
+        .outerjoin(Attempt, Attempt.id == Bundle.attempt_id)
+        .where(Bundle.id == bindparam("bundle_id"))
+    )
+    return statement.suffix_with(" ".join(clauses), dialect="postgresql") if clauses else statement
+
+
+_FOR = {Lock.SHARE: "FOR SHARE", Lock.UPDATE: "FOR UPDATE", Lock.NO_KEY_UPDATE: "FOR NO KEY UPDATE"}
 
 
 def check_epoch(context: Context, run: Run, *, attempt: Attempt | None, claimed: int) -> None:
