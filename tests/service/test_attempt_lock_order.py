@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import OperationalError
 
 from tests.service.conftest import MakeServer
@@ -32,34 +33,20 @@ def waiting_on_locks(watcher: Connection) -> int:
     return count
 
 
-def test_a_heartbeat_locks_the_run_before_the_attempt(
-    make_server: MakeServer, run_name: str
-) -> None:
-    server = make_server("postgres")
-    engine = server.context.engine
-    with server.client() as client:
-        attempt = register(client, run_name)
+def run_locked_while_waiting(
+    engine: Engine, *, hold: str, row: int, run_name: str, send: Callable[[], httpx.Response]
+) -> httpx.Response:
+    """Hold a row (``hold``: a ``SELECT ... FOR UPDATE`` of the row whose id is ``row``),
+    ``send`` a request in a thread, and once it waits for that row check that it holds the
+    run's lock already; then let it go on. Its answer."""
     answers: list[httpx.Response] = []
-
-    def beat() -> None:
-        with server.client() as trainer:
-            answers.append(
-                trainer.post(
-                    f"/v1/attempts/{attempt['attempt_id']}/heartbeat",
-                    json={"step": 1, "rank": 0},
-                    timeout=HANG_GUARD,
-                )
-            )
-
     with engine.connect() as holder, engine.connect() as watcher, engine.connect() as probe:
-        holder.execute(
-            text("SELECT id FROM attempt WHERE id = :id FOR UPDATE"), {"id": attempt["attempt_id"]}
-        )
-        beating = threading.Thread(target=beat)
-        beating.start()
+        holder.execute(text(hold), {"id": row})
+        sending = threading.Thread(target=lambda: answers.append(send()))
+        sending.start()
         deadline = time.monotonic() + HANG_GUARD
-        while waiting_on_locks(watcher) < 1:  # the heartbeat waits for the row
-            assert time.monotonic() < deadline, "the heartbeat never waited for the attempt"
+        while waiting_on_locks(watcher) < 1:  # the request waits for the row
+            assert time.monotonic() < deadline, "the request never waited for the row"
             time.sleep(0.02)
             watcher.rollback()
         with pytest.raises(OperationalError, match="could not obtain lock"):
@@ -67,6 +54,32 @@ def test_a_heartbeat_locks_the_run_before_the_attempt(
                 text("SELECT id FROM run WHERE name = :name FOR UPDATE NOWAIT"), {"name": run_name}
             )
         probe.rollback()
-        holder.rollback()  # the heartbeat goes on
-        beating.join(HANG_GUARD)
-    assert [answer.status_code for answer in answers] == [200], answers[0].text
+        holder.rollback()  # the request goes on
+        sending.join(HANG_GUARD)
+    assert len(answers) == 1
+    return answers[0]
+
+
+def test_a_heartbeat_locks_the_run_before_the_attempt(
+    make_server: MakeServer, run_name: str
+) -> None:
+    server = make_server("postgres")
+    with server.client() as client:
+        attempt = register(client, run_name)
+
+    def beat() -> httpx.Response:
+        with server.client() as trainer:
+            return trainer.post(
+                f"/v1/attempts/{attempt['attempt_id']}/heartbeat",
+                json={"step": 1, "rank": 0},
+                timeout=HANG_GUARD,
+            )
+
+    answer = run_locked_while_waiting(
+        server.context.engine,
+        hold="SELECT id FROM attempt WHERE id = :id FOR UPDATE",
+        row=attempt["attempt_id"],
+        run_name=run_name,
+        send=beat,
+    )
+    assert answer.status_code == 200, answer.text
