@@ -31,6 +31,18 @@ T = TypeVar("T")
 M = TypeVar("M", bound=DeclarativeBase)
 
 
+def locked_of(*locks: tuple[Lock, type[DeclarativeBase]]) -> str:
+    """The row-lock clauses of a statement that locks rows of several tables, one
+    ``(lock, model)`` each, in that order (PostgreSQL takes them so: the run first, as every
+    write locks); for ``suffix_with(..., dialect="postgresql")``."""
+    return " ".join(
+        f"{_FOR[lock]} OF {model.__tablename__}" for lock, model in locks if lock is not Lock.NONE
+    )
+
+
+_FOR = {Lock.SHARE: "FOR SHARE", Lock.UPDATE: "FOR UPDATE", Lock.NO_KEY_UPDATE: "FOR NO KEY UPDATE"}
+
+
 def locked(statement: S, lock: Lock) -> S:
     """``statement`` with a row lock (SQLite ignores it: its transactions lock the file)."""
     if lock is Lock.NONE:

@@ -14,7 +14,7 @@ from service.auth.service import require_write
 from service.context import Context
 from service.errors import FencedError, NotFoundError
 from service.models import Attempt, Bundle, Role, Run
-from service.sql import Lock
+from service.sql import Lock, locked_of
 
 
 def for_write(
@@ -38,17 +38,11 @@ def for_write(
     return bundle, run, attempt
 
 
-# Built once per pair of locks (building one costs more CPU than running it). The locks are
-# taken run first, as every write locks them (PostgreSQL locks in the order of the FROM list
-# and the FOR clauses, run first in both; SQLite
-# has no row locks: BEGIN IMMEDIATE). The attempt is read, not locked.
+# Built once per pair of locks (building one costs more CPU than running it). The run is
+# locked first, as every write locks (first in the FROM list and the FOR clauses; SQLite has
+# no row locks: BEGIN IMMEDIATE). The attempt is read, not locked.
 @functools.cache
 def _bundle_to_write(lock: Lock, bundle_lock: Lock) -> Select[Run, Bundle, Attempt]:
-    clauses = [
-        f"{_FOR[held]} OF {table.__tablename__}"
-        for held, table in ((lock, Run), (bundle_lock, Bundle))
-        if held is not Lock.NONE
-    ]
     statement = (
         select(Run, Bundle, Attempt)
         .select_from(Run)
@@ -56,10 +50,8 @@ def _bundle_to_write(lock: Lock, bundle_lock: Lock) -> Select[Run, Bundle, Attem
         .outerjoin(Attempt, Attempt.id == Bundle.attempt_id)
         .where(Bundle.id == bindparam("bundle_id"))
     )
-    return statement.suffix_with(" ".join(clauses), dialect="postgresql") if clauses else statement
-
-
-_FOR = {Lock.SHARE: "FOR SHARE", Lock.UPDATE: "FOR UPDATE", Lock.NO_KEY_UPDATE: "FOR NO KEY UPDATE"}
+    clauses = locked_of((lock, Run), (bundle_lock, Bundle))
+    return statement.suffix_with(clauses, dialect="postgresql") if clauses else statement
 
 
 def check_epoch(context: Context, run: Run, *, attempt: Attempt | None, claimed: int) -> None:

@@ -25,7 +25,7 @@ from service.models import (
     utcnow,
 )
 from service.runs.activity import refresh_activity
-from service.sql import Lock, insert, locked
+from service.sql import Lock, insert, locked, locked_of
 
 
 def get_run(session: Session, *, name: str, lock: Lock = Lock.NONE) -> Run | None:
@@ -188,8 +188,7 @@ def attempt_to_change(columns: tuple[Any, ...]) -> Select[Any]:
         .outerjoin(Bundle, Bundle.id == Attempt.resumed_from_id)
         .where(Attempt.id == bindparam("attempt_id"))
         .suffix_with(
-            f"FOR SHARE OF {Run.__tablename__} FOR NO KEY UPDATE OF {Attempt.__tablename__}",
-            dialect="postgresql",
+            locked_of((Lock.SHARE, Run), (Lock.NO_KEY_UPDATE, Attempt)), dialect="postgresql"
         )
     )
 
