@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import signal
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,8 @@ class Drills(pl.Callback):
         if self.args.term_at is not None and position == self.args.term_at:
             print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
+            while not ckpt._preemption.requested:  # the watcher thread notes it (a busy
+                time.sleep(0.001)  # machine's could miss the last batch end: nothing to resume)
 
 
 def make_loader(kind: str, dataset: Samples) -> DataLoader[Any]:
