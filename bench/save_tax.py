@@ -13,7 +13,9 @@ The state is ``--layers`` x nn.Linear(width, width) plus Adam (the defaults: 1.0
 For each loop and each way of saving (ckpt as it ships, with overlap off, at niceness 10,
 and with its pause during the optimizer's steps flipped: off by default in the cpu loop,
 on in the sleep loop as it is once a process uses CUDA; ``torch.distributed.checkpoint.
-async_save``; ``torch.save`` + fsync), in rotating order within each round:
+async_save``; ``torch.save`` + fsync; and three floors, a ``copy_`` then one thread that
+writes one file through the page cache and fsyncs it, writes it with ``O_DIRECT``, or
+only hashes the bytes), in rotating order within each round:
 a few plain iterations (their median is one iteration's time), then a save, then iterations
 until the save is durable. The *tax* is the wall time from the save's call to the end of the
 first iteration that ends after it is durable, less that many plain iterations. Beside it:
@@ -28,12 +30,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import itertools
+import mmap
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -51,6 +56,7 @@ from ckpt import Checkpointer
 from ckpt.core.storage import open_store
 
 GB = 1e9
+DIRECT_CHUNK = 64 << 20  # bytes per O_DIRECT write
 PLAIN = 4  # plain iterations before each save (the first is not counted)
 METHODS = (
     "none",
@@ -60,7 +66,16 @@ METHODS = (
     "ckpt yield flipped",
     "DCP async_save",
     "torch.save + fsync",
+    "copy_ + write + fsync",
+    "copy_ + O_DIRECT write",
+    "copy_ + SHA-256",
 )
+# What the three floors do on their thread after the copy_ (``_unchecked``).
+FLOORS = {
+    "copy_ + write + fsync": "page cache",
+    "copy_ + O_DIRECT write": "direct",
+    "copy_ + SHA-256": "hash",
+}
 
 
 @dataclass
@@ -186,6 +201,8 @@ def saver(method: str, loop: Loop, work: Path) -> Iterator[Callable[[int], Start
 
         save(1)[2]()
         yield save
+    elif method in FLOORS:
+        yield from _unchecked(loop, target, FLOORS[method])
     else:
 
         def save(step: int) -> Started:
@@ -202,6 +219,61 @@ def saver(method: str, loop: Loop, work: Path) -> Iterator[Callable[[int], Start
         save(1)
         yield save
     shutil.rmtree(target, ignore_errors=True)
+
+
+def _unchecked(loop: Loop, target: Path, work: str) -> Iterator[Callable[[int], Started]]:
+    """The floors under a save that checks its bytes: a ``copy_`` into warm buffers while
+    the loop waits, then one thread that does one part of a save's work and no more:
+    writes the buffers to one file through the page cache and fsyncs it (``page cache``:
+    the least any asynchronous save that is durable does), writes them with ``O_DIRECT``
+    (through one aligned buffer, which the disk reads by DMA: no copy into the page cache),
+    or only hashes them (``hash``: SHA-256, as ckpt's blob keys; nothing written)."""
+    buffers = [torch.empty_like(t) for t in loop.tensors()]
+    aligned = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned, as O_DIRECT wants
+    target.mkdir(parents=True)
+
+    def bytes_of(buffer: torch.Tensor) -> memoryview:
+        return buffer.reshape(-1).view(torch.uint8).numpy().data
+
+    def write(path: Path) -> None:
+        if work == "hash":
+            for buffer in buffers:
+                hashlib.sha256(bytes_of(buffer)).digest()
+        elif work == "direct":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
+            try:
+                for buffer in buffers:
+                    data = bytes_of(buffer)
+                    for offset in range(0, len(data), DIRECT_CHUNK):
+                        chunk = data[offset : offset + DIRECT_CHUNK]
+                        aligned[: len(chunk)] = chunk  # the tail padded to whole pages
+                        os.write(fd, memoryview(aligned)[: -(-len(chunk) // 4096) * 4096])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            with path.open("wb") as out:
+                for buffer in buffers:
+                    out.write(bytes_of(buffer))
+                out.flush()
+                os.fsync(out.fileno())
+
+    def save(step: int) -> Started:
+        started = time.perf_counter()
+        for buffer, tensor in zip(buffers, loop.tensors(), strict=True):
+            buffer.copy_(tensor)
+        stall = time.perf_counter() - started
+        writer = threading.Thread(target=write, args=(target / f"{step}.bin",))
+        writer.start()
+
+        def finish() -> tuple[float, float | None]:
+            writer.join()
+            return stall, None
+
+        return stall, lambda: not writer.is_alive(), finish
+
+    save(1)[2]()
+    yield save
 
 
 def trial(method: str, loop: Loop, work: Path, step: int) -> Trial:
