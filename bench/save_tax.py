@@ -229,7 +229,7 @@ def _unchecked(loop: Loop, target: Path, work: str) -> Iterator[Callable[[int], 
     (through one aligned buffer, which the disk reads by DMA: no copy into the page cache),
     or only hashes them (``hash``: SHA-256, as ckpt's blob keys; nothing written)."""
     buffers = [torch.empty_like(t) for t in loop.tensors()]
-    aligned = mmap.mmap(-1, DIRECT_CHUNK)  # page-aligned, as O_DIRECT wants
+    aligned = mmap.mmap(-1, DIRECT_CHUNK) if work == "direct" else None  # page-aligned
     target.mkdir(parents=True)
 
     def bytes_of(buffer: torch.Tensor) -> memoryview:
@@ -239,7 +239,7 @@ def _unchecked(loop: Loop, target: Path, work: str) -> Iterator[Callable[[int], 
         if work == "hash":
             for buffer in buffers:
                 hashlib.sha256(bytes_of(buffer)).digest()
-        elif work == "direct":
+        elif aligned is not None:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
             try:
                 for buffer in buffers:
@@ -259,10 +259,7 @@ def _unchecked(loop: Loop, target: Path, work: str) -> Iterator[Callable[[int], 
                 os.fsync(out.fileno())
 
     def save(step: int) -> Started:
-        started = time.perf_counter()
-        for buffer, tensor in zip(buffers, loop.tensors(), strict=True):
-            buffer.copy_(tensor)
-        stall = time.perf_counter() - started
+        stall = copy_floor(loop.tensors(), buffers)
         writer = threading.Thread(target=write, args=(target / f"{step}.bin",))
         writer.start()
 

@@ -109,7 +109,7 @@ class Drills(TrainerCallback):
         if state.global_step == self.args.signal_at:
             print(f"SIGTERM after step {state.global_step}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
-            while not checkpointer._preemption.requested:  # the watcher thread notes it
+            while not checkpointer.stopping:  # the watcher thread notes it
                 time.sleep(0.001)
 
 

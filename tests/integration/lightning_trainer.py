@@ -148,8 +148,8 @@ class Drills(pl.Callback):
         if self.args.term_at is not None and position == self.args.term_at:
             print(f"SIGTERM at step {position[0]}, micro step {position[1]}", flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
-            while not ckpt._preemption.requested:  # the watcher thread notes it (a busy
-                time.sleep(0.001)  # machine's could miss the last batch end: nothing to resume)
+            while not ckpt.stopping:  # the watcher thread notes it (a busy machine's could
+                time.sleep(0.001)  # miss the last batch end: nothing left to resume)
 
 
 def make_loader(kind: str, dataset: Samples) -> DataLoader[Any]:

@@ -116,9 +116,9 @@ def test_sigterm_saves_exits_143_and_resumes_bit_exactly(
     tmp_path: Path, reference: dict[str, Any]
 ) -> None:
     # The job signals itself at the batch end of step 18 (after 4 periodic saves measured
-    # what a save costs) and waits until ckpt's watcher notes it; ckpt saves at the next batch
-    # end, mid-accumulation, with the gradients to restore, and
-    # exits 143 (Lightning's own handler would stop the loop first and exit 0).
+    # what a save costs) and waits until ckpt's watcher notes it; ckpt saves at the next
+    # batch end, mid-accumulation, with the gradients to restore, and exits 143
+    # (Lightning's own handler would stop the loop first and exit 0).
     store = tmp_path / "store"
     lightning(store, tmp_path / "a.pt", "--term-at", "18.0", expect_rc=EXIT_PREEMPTED)
     resumed = lightning(store, tmp_path / "resumed.pt")
