@@ -47,7 +47,7 @@ from service.runs.endpoints import router as runs_router
 from service.scrub.endpoints import router as scrub_router
 from service.settings import Settings, embedded_admin_token
 from service.ui.endpoints import install as install_dashboard
-from service.yielding import BulkTurns, PriorityGate
+from service.yielding import BulkTurns, MarkPriority, PriorityGate
 
 log = logging.getLogger("ckpt.service")
 
@@ -85,16 +85,19 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     serve_docs(app)  # /docs: Swagger UI, from the package
     install_dashboard(app)  # /ui/: the lineage dashboard, and / redirecting there
     _handle_errors(app)
+    gate = PriorityGate()
     if settings.bulk_concurrency:  # innermost: a request's latency counts its wait
         app.add_middleware(
             BulkTurns,
             concurrency=settings.bulk_concurrency,
             metrics=context.metrics,
-            gate=PriorityGate(),
+            gate=gate,
             yield_seconds=settings.bulk_yield_seconds,
         )
     app.add_middleware(_CountRequests, metrics=context.metrics)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.bulk_concurrency:  # a priority request is in flight from its admission
+        app.add_middleware(MarkPriority, gate=gate)
     # Outermost: a request over its token's limits is refused before its body is read.
     app.add_middleware(Limits, limits=token_limits(settings), metrics=context.metrics)
     return app

@@ -10,10 +10,18 @@ request is answered that much later at most, however many priority requests come
 
 ``BulkTurns``, an ASGI middleware, runs ``CKPT_BULK_CONCURRENCY`` (1) bulk requests at once:
 one that runs holds the GIL in slices and a core, and two or more leave the priority
-class's threads waiting for both at every query they make. It counts the priority requests
-in flight in ``PriorityGate`` and gives each bulk request its budget (``turn``); the bulk
-code calls ``step_aside`` at its pause points, which does nothing outside a bulk request or
-on the event loop.
+class's threads waiting for both at every query they make. It gives each bulk request its
+budget (``turn``); the bulk code calls ``step_aside`` at its pause points, which does
+nothing outside a bulk request or on the event loop. ``MarkPriority``, just inside the
+token limits, counts the priority requests in flight in ``PriorityGate``: from their
+admission, while their bodies arrive and they are routed, to their answers sent.
+
+Pause points are worth what the longest stretch between two of them is: measured under
+``bench/flood.py --probe resumable --mix``, a bulk request took 2.9 ms (median) to 13 ms
+(p99) to pause after a priority request arrived, until the longest stretches were cut (a
+page of 500 runs in one statement each, 10-15 ms; validation in slices of 500 blobs,
+1-2 ms; the grouping of ``sorted_in_steps``): now 1.0-1.2 ms and 10 ms
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -107,8 +115,8 @@ class BulkTurns:
     """The ASGI middleware that runs ``concurrency`` bulk requests at once; the others wait
     their turn on the event loop. Inside the body limit, which has read the body: a client
     that sends its body slowly waits for it without holding a turn. The one that runs steps
-    aside (``step_aside``), ``yield_seconds`` in all at most, while a priority request is
-    in flight here: routed, worked on or answered."""
+    aside (``step_aside``), ``yield_seconds`` in all at most, while ``gate`` counts a
+    priority request in flight (``MarkPriority``)."""
 
     def __init__(
         self,
@@ -127,10 +135,6 @@ class BulkTurns:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route_class = Head.of(scope).route_class if scope["type"] == "http" else None
-        if route_class is RouteClass.PRIORITY:  # in flight, from here to its answer sent
-            with self.gate.serving():
-                await self.app(scope, receive, send)
-            return
         if route_class is not RouteClass.BULK:
             await self.app(scope, receive, send)
             return
@@ -146,13 +150,35 @@ class BulkTurns:
             self.turns.release()
 
 
+class MarkPriority:
+    """The ASGI middleware, just inside the token limits, that counts a priority request in
+    ``gate`` from its admission (before its body is read) to its answer sent."""
+
+    def __init__(self, app: ASGIApp, *, gate: PriorityGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and Head.of(scope).route_class is RouteClass.PRIORITY:
+            with self.gate.serving():
+                await self.app(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# Words grouped between two pause points of ``sorted_in_steps``: 10,000 took 3-5 ms.
+_GROUPING_STEP = 1000
+
+
 def sorted_in_steps(words: Iterable[str]) -> list[str]:
     """``sorted(words)``, stepping aside between steps: one ``sorted`` of 10,000 SHA-256
     hexes holds the GIL 2 ms in one C call. Grouped by their first two characters (a
     Python loop, which lets go of the GIL when another thread asks), each group sorted
     alone: the same order, for any strings, at about the same cost."""
     groups: dict[str, list[str]] = {}
-    for word in words:
+    for count, word in enumerate(words):
+        if not count % _GROUPING_STEP:
+            step_aside()
         groups.setdefault(word[:2], []).append(word)
     ordered: list[str] = []
     for start in sorted(groups):

@@ -3,13 +3,15 @@
 not wait behind bulk work). Against a real ``ckpt server`` on PostgreSQL: this test holds a
 heartbeat in flight by locking its attempt's row, a state it controls, sends a bulk request
 (a lineage: paused before a statement of its autocommit reads; a query of 10,000 blobs:
-paused in its body's parse), and watches ``ckpt_bulk_yielding`` while it waits."""
+paused in its body's parse), and watches ``ckpt_bulk_yielding`` while it waits; or holds
+a heartbeat's body back, the request admitted and in flight already."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -162,3 +164,33 @@ def test_a_bulk_request_waits_no_longer_than_its_budget(
     assert beat[0].status_code == 200, beat[0].text
     waited = metric(server, "ckpt_bulk_yield_seconds_total")
     assert waited is not None and 0.05 < waited < 1
+
+
+def test_a_priority_request_counts_in_flight_while_its_body_arrives(
+    patient: ServerProcess,
+) -> None:
+    """A heartbeat is in flight from its admission, not from its route: while its body is
+    still on the way, a bulk request steps aside for it."""
+    server = patient
+    store = DirectoryStore(server.store)
+    with server.client() as admin:
+        attempt = register(admin, RUN)
+        save(admin, store, RUN, attempt, step=10)
+    body = json.dumps({"step": 11}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=HANG_GUARD) as trainer:
+        trainer.sendall(
+            f"POST /v1/attempts/{attempt['attempt_id']}/heartbeat HTTP/1.1\r\n"
+            f"Host: {host}\r\nAuthorization: Bearer {server.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        )  # the head only: the body follows once the bulk request has stepped aside
+        with server.client() as reader:
+            thread, answers = in_thread(lambda: lineage(reader))
+            until(lambda: metric(server, "ckpt_bulk_yielding") == 1, "the lineage to yield")
+            assert answers == []
+            trainer.sendall(body)
+            thread.join()
+        status_line = trainer.makefile("rb").readline()
+    assert status_line.startswith(b"HTTP/1.1 200"), status_line
+    assert answers[0].status_code == 200, answers[0].text
+    assert metric(server, "ckpt_bulk_yielding") == 0
