@@ -23,7 +23,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from service.yielding import step_aside
 
-SLICE = 500  # items per validation call: about 1 ms each
+SLICE = 100  # items per validation call: about 0.3 ms each (500 took 1-1.5 ms under load)
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -35,8 +35,8 @@ def _each(store: ObjectStore, action: Callable[[str], T], shas: Iterable[str]) -
     if isinstance(store, DirectoryStore):
         found: list[T] = []
         for start in range(0, len(order), _LOCAL_GROUP):
-            step_aside()
             found += [action(sha) for sha in order[start : start + _LOCAL_GROUP]]
+            step_aside()  # after each group, the last too: what the caller does next is long
         return found
     size = max(1, -(-len(order) // _STORE_THREADS))
     groups = [order[start : start + size] for start in range(0, len(order), size)]

@@ -15,6 +15,7 @@ from service import lineage
 from service.models import Attempt, Bundle, Run, RunActivity, utcnow
 from service.runs.attempts import mark_lost
 from service.runs.repository import attempt_nodes
+from service.runs.service import PAGE_STEP
 from tests.service.conftest import Server
 from tests.service.helpers import register, save, statements
 
@@ -115,3 +116,35 @@ def test_a_page_of_runs_costs_what_one_run_does(server: Server) -> None:
             assert listed["num_bundles"] == {"complete": 1}
 
         assert statements(server, lambda: page(12)) == statements(server, lambda: page(1))
+
+
+def test_a_long_page_is_read_a_step_at_a_time_and_says_the_same(server: Server) -> None:
+    """A page of more than ``PAGE_STEP`` runs is read a step at a time, so that a bulk
+    request pauses between statements for a priority request (``service.yielding``): the
+    same runs in the same order, the same ``next``, at a cost that grows with the steps."""
+    names = [f"paged-{index:03d}" for index in range(2 * PAGE_STEP + 30)]
+    with server.client() as client:
+        for name in names:
+            client.post("/v1/runs", json={"name": name}).raise_for_status()
+        saved = names[PAGE_STEP + 5]  # read in the second step
+        save(client, server.store, saved, register(client, saved), step=10)
+
+        def listed(**params: Any) -> tuple[list[str], str | None]:
+            answer = client.get("/v1/runs", params=params)
+            assert answer.status_code == 200, answer.text
+            return [run["name"] for run in answer.json()["runs"]], answer.json()["next"]
+
+        assert listed(limit=500) == (names, None)
+        assert listed(limit=2 * PAGE_STEP) == (names[: 2 * PAGE_STEP], names[2 * PAGE_STEP - 1])
+        middle = names[10 : PAGE_STEP + 11]
+        assert listed(limit=PAGE_STEP + 1, after=names[9]) == (middle, middle[-1])
+        hundreds = [name for name in names if name.startswith("paged-1")]
+        assert len(hundreds) == PAGE_STEP  # one step exactly: the last
+        assert listed(limit=500, prefix="paged-1") == (hundreds, None)
+        shown = client.get("/v1/runs", params={"limit": 500}).json()["runs"][PAGE_STEP + 5]
+        assert shown["name"] == saved and shown["resumable"]["step"] == 10
+        assert shown["num_bundles"] == {"complete": 1}
+
+        # A step costs a constant number of statements (fewer where no run has bundles).
+        one_step = statements(server, lambda: listed(limit=PAGE_STEP, after=names[PAGE_STEP - 1]))
+        assert one_step < statements(server, lambda: listed(limit=500)) <= 3 * one_step
