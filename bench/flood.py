@@ -3,7 +3,7 @@ a real ``ckpt server``.
 
     .venv/bin/python bench/flood.py [--clients 16] [--entries 10000] [--probes 400]
                                     [--ignore-retry-after] [--postgres URL]
-                                    [--probe healthz|resumable] [--mix]
+                                    [--probe healthz|resumable] [--mix] [--split]
                                     [--env CKPT_NAME=value ...]
 
 One run token floods ``POST /v1/blobs/missing`` (``--entries`` blobs the store lacks, each
@@ -17,6 +17,10 @@ of its own) is probed ``--probes`` times, one at a time, on its own connection. 
 probes run first with no load: the baseline, in the same run. Prints p50 / p99 of both,
 their ratio, and how the flood was answered (200s and 429s).
 
+With ``--split`` the flood goes to a second ``ckpt server`` on the same database and store
+(the same cores too): what the probes would see if the bulk work ran in a process of its
+own, with a GIL of its own.
+
 SQLite (the embedded default) unless ``--postgres`` names a PostgreSQL server URL such as
 ``postgresql://postgres@127.0.0.1:5432/postgres`` (a database is created and dropped).
 ``--env`` passes settings to the server, e.g. ``--env CKPT_MAX_EXPENSIVE_PER_TOKEN=2``.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import hashlib
 import itertools
 import json
@@ -197,7 +202,14 @@ def prepare(server: ServerProcess, args: argparse.Namespace) -> tuple[Probe, tup
 def measure(label: str, root: Path, database_url: str | None, args: argparse.Namespace) -> None:
     root.mkdir(parents=True)
     env = dict(item.split("=", 1) for item in args.env)
-    with ckpt_server(root, database_url=database_url, env=env) as server:
+    with contextlib.ExitStack() as servers:
+        server = servers.enter_context(ckpt_server(root, database_url=database_url, env=env))
+        flooded = server
+        if args.split:
+            (root / "split").mkdir()
+            flooded = servers.enter_context(
+                ckpt_server(root / "split", database_url=database_url, env=env, store=server.store)
+            )
         what, mix = prepare(server, args)
         token = (
             new_token(server, role="admin", name="flood")
@@ -205,7 +217,7 @@ def measure(label: str, root: Path, database_url: str | None, args: argparse.Nam
             else new_token(server, role="run", run="flood", name="flood")
         )
         flood = Flood(
-            url=server.url,
+            url=flooded.url,
             token=token,
             clients=args.clients,
             body=flood_body(args.entries),
@@ -233,6 +245,7 @@ def report(
     (q50, q99), (l50, l99) = percentiles(quiet), percentiles(loaded)
     manners = "ignoring Retry-After" if args.ignore_retry_after else "obeying Retry-After"
     kinds = ", lineages, 500-run pages" if args.mix else ""
+    kinds += ", sent to a second server (--split)" if args.split else ""
     print(
         f"\n{label}: {args.clients} clients of one token, blobs/missing of {args.entries} "
         f"entries{kinds}, {manners}"
@@ -260,6 +273,7 @@ def main() -> None:
     parser.add_argument("--mix", action="store_true", help="lineages and 500-run pages too")
     parser.add_argument("--bundles", type=int, default=100, help="of the probed run")
     parser.add_argument("--runs", type=int, default=500, help="to page through, with --mix")
+    parser.add_argument("--split", action="store_true", help="flood a second server instead")
     args = parser.parse_args()
     if not args.postgres:
         with tempfile.TemporaryDirectory() as tmp:
