@@ -57,10 +57,7 @@ def get_run(context: Context, principal: Principal, *, name: str) -> RunOut:
         return run_out(session, _run(session, name))
 
 
-# A page of runs is read PAGE_STEP runs at a time, the same few statements a step: a bulk
-# request pauses before each statement while a priority request is in flight
-# (service.yielding), and a statement for 500 runs held the GIL 10-15 ms between two pauses.
-PAGE_STEP = 100
+PAGE_STEP = 100  # runs a step of a page of runs (list_runs)
 
 
 def list_runs(
@@ -75,14 +72,14 @@ def list_runs(
         if principal.role is Role.RUN:
             runs = [r for name in names if (r := repository.get_run(session, name=name))]
             return RunPage(runs=run_outs(session, runs), next=None)
+        # A step at a time: a bulk request pauses between statements (service.yielding).
         page: list[RunOut] = []
-        while True:  # a step of PAGE_STEP runs at most
+        while True:
             step = min(PAGE_STEP, limit - len(page))
             runs = repository.page_runs(session, after=after, limit=step + 1, prefix=prefix)
             page += run_outs(session, runs[:step])
-            more = len(runs) > step
-            if len(page) == limit or not more:
-                return RunPage(runs=page, next=page[-1].name if more else None)
+            if len(page) == limit or len(runs) <= step:
+                return RunPage(runs=page, next=page[-1].name if len(runs) > step else None)
             after = page[-1].name
 
 
