@@ -16,6 +16,7 @@ admits or refuses it by these.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs
@@ -34,6 +35,7 @@ MAX_WEIGHT = 64
 BULK_PAGE = 100
 BULK_PAGE_WEIGHT_RUNS = 250
 RUNS_PAGE = "/v1/runs"
+_SCOPE_KEY = "ckpt.head"  # Head.of's answer, in the request's ASGI scope
 
 
 class RouteClass(enum.StrEnum):
@@ -72,6 +74,15 @@ class Head:
 
     @classmethod
     def of(cls, scope: Scope) -> Head:
+        """The request's head, read once: kept in its scope for the middlewares after the
+        first (the limits, the priority count, the bulk turns)."""
+        head: Head | None = scope.get(_SCOPE_KEY)
+        if head is None:
+            head = scope[_SCOPE_KEY] = cls._read(scope)
+        return head
+
+    @classmethod
+    def _read(cls, scope: Scope) -> Head:
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length")
         if declared is not None:
@@ -87,7 +98,7 @@ class Head:
         """A body of unknown or large size: parsing it costs the server real time."""
         return self.body_bytes is None or self.body_bytes > LARGE_BODY_BYTES
 
-    @property
+    @functools.cached_property
     def route_class(self) -> RouteClass:
         if _matches(self, PRIORITY):
             return RouteClass.PRIORITY
