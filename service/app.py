@@ -26,6 +26,7 @@ from ckpt.core.version import __version__
 from service.apidocs import serve_docs
 from service.auth.endpoints import router as tokens_router
 from service.bulk import not_json
+from service.bulk_process import BulkProcess, ForwardBulk
 from service.bundles.endpoints import router as bundles_router
 from service.context import Context
 from service.db import upgrade
@@ -45,7 +46,7 @@ from service.metrics import Metrics, process_exited
 from service.periodic import Periodic, periodic_tasks, run_once
 from service.runs.endpoints import router as runs_router
 from service.scrub.endpoints import router as scrub_router
-from service.settings import Settings, embedded_admin_token
+from service.settings import MULTIPROCESS_DIR, Settings, embedded_admin_token
 from service.ui.endpoints import install as install_dashboard
 from service.yielding import BulkTurns, MarkPriority, PriorityGate
 
@@ -60,12 +61,13 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
     context = context or Context.create(settings)
     protect()  # no client text forges a log line
     admin_token = embedded_admin_token(settings) if settings.embedded else settings.admin_token
+    bulk = _bulk_process(settings, context)
 
     app = FastAPI(
         title="ckpt control plane",
         version=__version__,
         summary="Catalog, completeness, fencing and lineage of bit-exact training checkpoints",
-        lifespan=_lifespan(settings, context),
+        lifespan=_lifespan(settings, context, bulk),
         docs_url=None,  # served by serve_docs, from the package's own Swagger UI
         redoc_url=None,
     )
@@ -95,6 +97,8 @@ def create_app(settings: Settings | None = None, *, context: Context | None = No
             yield_seconds=settings.bulk_yield_seconds,
         )
     app.add_middleware(_CountRequests, metrics=context.metrics)
+    if bulk is not None:  # outside the counts: the bulk process counts what it serves
+        app.add_middleware(ForwardBulk, bulk=bulk)
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
     if settings.bulk_concurrency:  # a priority request is in flight from its admission
         app.add_middleware(MarkPriority, gate=gate)
@@ -112,8 +116,17 @@ def from_environment() -> FastAPI:
     return app
 
 
+def _bulk_process(settings: Settings, context: Context) -> BulkProcess | None:
+    """The bulk process to forward bulk requests to, where there is one: on PostgreSQL
+    (``CKPT_BULK_PROCESS``), under ``ckpt server``, whose metrics directory lets it count
+    what it serves into the same ``/metrics``."""
+    if not settings.bulk_in_own_process or not os.environ.get(MULTIPROCESS_DIR):
+        return None
+    return BulkProcess(settings, context.metrics)
+
+
 def _lifespan(
-    settings: Settings, context: Context
+    settings: Settings, context: Context, bulk: BulkProcess | None
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """The periodic tasks, started with the app and stopped with it."""
 
@@ -126,6 +139,8 @@ def _lifespan(
             asyncio.create_task(_periodically(task, context, stop=stop))
             for task in (periodic_tasks(settings, halt=halt) if inline else [])
         ]
+        if bulk is not None:
+            tasks.append(asyncio.create_task(bulk.supervise(stop)))
         try:
             yield
         finally:

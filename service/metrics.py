@@ -25,9 +25,8 @@ from prometheus_client import (
 )
 
 from service.names import VERDICTS
+from service.settings import MULTIPROCESS_DIR
 
-# Set by ``ckpt server`` for its workers; read by prometheus_client when it is imported.
-MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # From a millisecond (a small state staged in memory) to half an hour (a slow store).
@@ -72,6 +71,24 @@ class Metrics:
             "bulk requests paused while a priority request is in flight (CKPT_BULK_YIELD_SECONDS)",
             registry=self.registry,
             multiprocess_mode="livesum",
+        )
+        self.bulk_process_up = Gauge(
+            "ckpt_bulk_process_up",
+            "bulk processes answering (CKPT_BULK_PROCESS: one beside each serving process)",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.bulk_process_exits = Counter(
+            "ckpt_bulk_process_exits",
+            "times a bulk process exited unasked and was started again",
+            registry=self.registry,
+        )
+        self.bulk_served = Counter(
+            "ckpt_bulk_served",
+            "bulk requests by where they were served: bulk_process, or here (the serving "
+            "process, while its bulk process was not answering)",
+            ["where"],
+            registry=self.registry,
         )
         self.bulk_yield_seconds = Counter(
             "ckpt_bulk_yield_seconds",

@@ -15,6 +15,14 @@ from pathlib import Path
 
 DEFAULT_PORT = 8470
 TOKEN_PREFIX = "ckpt_"
+# How long an idle connection is kept open: longer than any client keeps one to reuse, so
+# the close is the client's. Uvicorn's 5 s is httpx's (the agent's) too: a request sent on
+# a connection the server was closing at that moment got no answer (1 heartbeat of 290 in
+# bench/fleet.py); a load balancer keeps its connections to a backend 60 s (AWS ALB, nginx).
+KEEP_ALIVE_SECONDS = 75
+# Set by ``ckpt server`` for its processes (service.metrics); read by prometheus_client when
+# it is imported.
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,10 @@ class Settings:
             where it holds no lock, while a priority request (``/resumable``, a heartbeat,
             a commit) is in flight in the process
             (``CKPT_BULK_YIELD_SECONDS``, default 0.5, 0 turns it off).
+        bulk_process: serve the bulk requests in a process of their own beside each
+            serving process, with its own GIL, so that they never hold the GIL the priority
+            class waits for (``CKPT_BULK_PROCESS``; default on for PostgreSQL under
+            ``ckpt server``; PostgreSQL only). See ``service.bulk_process``.
         priority_threads: worker threads of the process kept for the priority class
             (``/resumable``, heartbeats, registering an attempt), which no other request
             takes: they are served while every other thread waits on bulk work
@@ -121,6 +133,7 @@ class Settings:
     max_bulk_in_flight: int = 16
     bulk_concurrency: int = 1
     bulk_yield_seconds: float = 0.5
+    bulk_process: bool | None = None
     priority_threads: int = 8
     token_cache_seconds: float = 2.0
     gc_batch_bundles: int = 1000
@@ -162,11 +175,7 @@ class Settings:
                 f"CKPT_MAINTENANCE must be inline (in each server) or worker (in ckpt worker), "
                 f"got {self.maintenance!r}"
             )
-        if self.workers < 1 or (self.workers > 1 and self.embedded):
-            raise ValueError(
-                f"CKPT_WORKERS must be 1 on SQLite (one process owns the catalog), or at least "
-                f"1 on PostgreSQL; got {self.workers}"
-            )
+        self._check_processes()
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be 1-65535, got {self.port}")
         if self.max_body_bytes < 1024:
@@ -179,6 +188,18 @@ class Settings:
                 "are separated by commas)"
             )
         self._check_limits()
+
+    def _check_processes(self) -> None:
+        if self.workers < 1 or (self.workers > 1 and self.embedded):
+            raise ValueError(
+                f"CKPT_WORKERS must be 1 on SQLite (one process owns the catalog), or at least "
+                f"1 on PostgreSQL; got {self.workers}"
+            )
+        if self.bulk_process and self.embedded:
+            raise ValueError(
+                "CKPT_BULK_PROCESS needs a PostgreSQL catalog (one process owns an SQLite "
+                "catalog): unset it, or set CKPT_DATABASE_URL to PostgreSQL"
+            )
 
     def _check_limits(self) -> None:
         if self.max_step_advance < 1:
@@ -227,6 +248,11 @@ class Settings:
         """How often the server looks for lost attempts: often enough that one is marked
         at most half a ``lost_after_seconds`` late, and at least every 30 s."""
         return min(30.0, self.lost_after_seconds / 2)
+
+    @property
+    def bulk_in_own_process(self) -> bool:
+        """Whether bulk requests go to a process of their own (``bulk_process``)."""
+        return not self.embedded if self.bulk_process is None else self.bulk_process
 
     @property
     def migrate_at_start(self) -> bool:

@@ -20,6 +20,7 @@ from ckpt.cli.config import (
     settings,
 )
 from ckpt.core.version import __version__
+from service.settings import KEEP_ALIVE_SECONDS, MULTIPROCESS_DIR
 
 if TYPE_CHECKING:
     from service.settings import Settings
@@ -160,14 +161,20 @@ def add_catalog_commands(commands: Commands) -> None:
 
 
 WORKER_HEALTHCHECK_SECONDS = 30
-# How long an idle connection is kept open: longer than any client keeps one to reuse, so
-# the close is the client's. Uvicorn's 5 s is httpx's (the agent's) too: a request sent on
-# a connection the server was closing at that moment got no answer (1 heartbeat of 290 in
-# bench/fleet.py); a load balancer keeps its connections to a backend 60 s (AWS ALB, nginx).
-KEEP_ALIVE_SECONDS = 75
 
 
 def _server(args: argparse.Namespace) -> int:
+    current = settings(host=args.host, port=args.port, workers=args.workers)
+    port_free(current.host, current.port)  # before the catalog, the store or a token is made
+    # Several processes (workers, a bulk process beside each) count into one /metrics: the
+    # directory is named before prometheus_client is imported.
+    shared = current.workers > 1 or current.bulk_in_own_process
+    with worker_metrics() if shared else contextlib.nullcontext():
+        _serve(current)
+    return 0
+
+
+def _serve(current: Settings) -> None:
     import logging
 
     import uvicorn
@@ -175,8 +182,6 @@ def _server(args: argparse.Namespace) -> int:
     from service.app import create_app
     from service.health import steady_process
 
-    current = settings(host=args.host, port=args.port, workers=args.workers)
-    port_free(current.host, current.port)  # before the catalog, the store or a token is made
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     app = create_app(current)
@@ -186,6 +191,8 @@ def _server(args: argparse.Namespace) -> int:
     print(f"  store:   {app.state.context.store.url}", flush=True)
     if current.embedded and not current.admin_token:
         print(f"  admin token: in {current.admin_token_file}", flush=True)
+    if current.bulk_in_own_process:
+        print("  bulk requests: in a process of their own beside each worker", flush=True)
     if current.workers == 1:
         uvicorn.run(
             app,
@@ -194,13 +201,11 @@ def _server(args: argparse.Namespace) -> int:
             log_level="warning",
             timeout_keep_alive=KEEP_ALIVE_SECONDS,
         )
-        return 0
+        return
     # Each process builds its own app from the same settings (the checks above ran once).
     app.state.context.close()
     print(f"  workers: {current.workers} processes", flush=True)
-    with worker_metrics():
-        _serve_workers(current)
-    return 0
+    _serve_workers(current)
 
 
 def _serve_workers(current: Settings) -> None:
@@ -226,12 +231,10 @@ def _serve_workers(current: Settings) -> None:
 
 @contextlib.contextmanager
 def worker_metrics() -> Iterator[None]:
-    """A fresh directory for the workers' metrics (``service.metrics``), named in
-    ``PROMETHEUS_MULTIPROC_DIR`` before they start (they read it when they import
-    prometheus_client), and removed with what they wrote when the server stops: a count
-    of an earlier server must never add to this one's."""
-    from service.metrics import MULTIPROCESS_DIR
-
+    """A fresh directory for the server processes' metrics (``service.metrics``), named in
+    ``PROMETHEUS_MULTIPROC_DIR`` before they import prometheus_client (which reads it
+    then: this process's too), and removed with what they wrote when the server stops: a
+    count of an earlier server must never add to this one's."""
     with tempfile.TemporaryDirectory(prefix="ckpt-metrics-") as directory:
         os.environ[MULTIPROCESS_DIR] = directory
         try:

@@ -78,7 +78,9 @@ def yielding_server(
 ) -> Iterator[ServerProcess]:
     url = create_pg_database()
     pg_databases.append(url)
-    env = {"CKPT_BULK_YIELD_SECONDS": str(budget)}
+    # Bulk work in the serving process, as on SQLite and while a bulk process is away
+    # (tests/service/test_bulk_process.py): on PostgreSQL it has a process of its own.
+    env = {"CKPT_BULK_YIELD_SECONDS": str(budget), "CKPT_BULK_PROCESS": "0"}
     with ckpt_server(tmp_path, database_url=url, env=env) as running:
         yield running
 

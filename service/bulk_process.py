@@ -1,0 +1,279 @@
+"""Bulk requests served by a process of their own, with its own GIL.
+
+A bulk request that runs (a query of 10,000 blobs, a long lineage, a page of 500 runs)
+holds the process's GIL in slices, and ``/resumable`` or a heartbeat waits for it at each
+of its statements. Pausing at points (``service.yielding``) shortens those waits and
+cannot end them: under ``bench/flood.py --probe resumable --mix`` the p99 of
+``/resumable`` stayed 1.5-2.6 times idle. The same flood sent to a second server process
+(``--split``) left it 1.4-1.5 times idle: what is left then is the cores, not the GIL.
+
+So ``ckpt server`` on PostgreSQL starts, beside each serving process, a **bulk process**:
+the same app, listening on a Unix socket in a directory only its user can enter, with no
+token limits (the serving process admitted the request and counts it) and no periodic
+tasks. The serving process forwards each admitted bulk request there (``ForwardBulk``),
+its body already read under the body limit, and streams the answer back unread. Requests
+and metrics: the bulk process writes its own into the same multiprocess directory, so
+``/metrics`` counts each request once, where it was served.
+
+- **Starting, restarting, gone**: until the bulk process answers, bulk requests are served
+  in the serving process as before (``BulkTurns``, pausing for priority requests). One
+  that exits is started again, after 1 s, doubling to 30 s while it keeps exiting.
+- **A request it could not be sent**: served in the serving process. **One it was sent
+  and did not answer** (it exited meanwhile) is answered 503 with ``Retry-After``: it may
+  have been carried out, and the client retries it as it would any 503.
+- **The serving process exits**: the bulk process's stdin closes, and it exits too (after
+  the requests it holds), even when the serving process was killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.admission import Head, RouteClass
+from service.errors import RetryError
+from service.metrics import Metrics, process_exited
+from service.settings import KEEP_ALIVE_SECONDS, Settings
+
+log = logging.getLogger("ckpt.service.bulk")
+
+# Seconds before a bulk process that exited is started again: the first time, and at most.
+RESTART_SECONDS = (1.0, 30.0)
+START_SECONDS = 60.0  # a bulk process not answering by then is stopped and started again
+READY_POLL_SECONDS = 0.05
+STOP_SECONDS = 30.0  # after SIGTERM, before SIGKILL
+# The bulk process's nice value: where the cores are short, the scheduler gives them to the
+# serving process (the priority class) first, and bulk work the rest.
+NICENESS = 10
+READS = frozenset(("GET", "HEAD"))  # served here when the bulk process died serving them
+# Headers of one connection, not of the request or the answer: never forwarded. ``expect``:
+# the serving process has read the body already.
+HOP_BY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"expect")
+)
+
+
+class BulkProcess:
+    """The bulk process of one serving process: started, watched and restarted by
+    ``supervise``, reached through ``forward``."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.socket = ""  # in a directory of its own, made by ``supervise``
+        self.ready = False
+        self._client: httpx.AsyncClient | None = None
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Run the bulk process until ``stop``, starting it again whenever it exits."""
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+        delay = RESTART_SECONDS[0]
+        directory = tempfile.mkdtemp(prefix="ckpt-bulk-")  # mode 0700
+        self.socket = os.path.join(directory, "bulk.sock")
+        self._client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=self.socket),
+            base_url="http://bulk",
+            # A bulk request (a GC pass) may run for minutes; reaching the socket may not.
+            timeout=httpx.Timeout(None, connect=5.0),
+            # Shorter than the bulk process keeps an idle connection: the close is ours.
+            limits=httpx.Limits(keepalive_expiry=KEEP_ALIVE_SECONDS / 2),
+        )
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                await self._run_once(stop)
+                if stop.is_set():
+                    break
+                self.metrics.bulk_process_exits.inc()
+                lived = time.monotonic() - started
+                delay = RESTART_SECONDS[0] if lived > RESTART_SECONDS[1] else delay
+                log.warning("the bulk process exited; starting it again in %.0f s", delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(2 * delay, RESTART_SECONDS[1])
+        finally:
+            await self._client.aclose()
+            shutil.rmtree(directory, ignore_errors=True)
+
+    async def _run_once(self, stop: asyncio.Event) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "service.bulk_process",
+            self.socket,
+            stdin=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a terminal's Ctrl-C is the serving process's to pass on
+        )
+        assert process.stdin is not None
+        # On stdin, not in the environment: the settings hold the database's password.
+        process.stdin.write(json.dumps(dataclasses.asdict(self.settings)).encode() + b"\n")
+        exited = asyncio.create_task(process.wait())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await process.stdin.drain()
+            if await self._answers(exited):
+                self._up(True)
+                log.info("bulk requests are served by process %d", process.pid)
+                await asyncio.wait((exited, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._up(False)
+            stopping.cancel()
+            if not exited.done():
+                process.terminate()
+                try:
+                    await asyncio.wait_for(asyncio.shield(exited), STOP_SECONDS)
+                except TimeoutError:
+                    process.kill()
+                    await exited
+            elif not stop.is_set():
+                log.warning("the bulk process %d exited with %s", process.pid, exited.result())
+            process_exited(process.pid)
+
+    async def _answers(self, exited: asyncio.Task[int]) -> bool:
+        """Whether the bulk process listens before it exits or ``START_SECONDS`` pass
+        (uvicorn listens once the app has started; a probe request would be counted)."""
+        deadline = time.monotonic() + START_SECONDS
+        while not exited.done() and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.open_unix_connection(self.socket)
+                writer.close()
+                return True
+            await asyncio.sleep(READY_POLL_SECONDS)
+        return False
+
+    def _up(self, up: bool) -> None:
+        self.ready = up
+        self.metrics.bulk_process_up.set(int(up))
+
+    async def forward(self, scope: Scope, body: bytes, send: Send) -> bool:
+        """Serve the request in the bulk process and stream its answer to ``send``; False
+        when the request could not be sent (serve it here)."""
+        assert self._client is not None
+        query = scope.get("query_string", b"").decode("latin-1")
+        request = self._client.build_request(
+            scope["method"],
+            scope["path"] + (f"?{query}" if query else ""),
+            headers=[(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP],
+            content=body,
+        )
+        try:
+            response = await self._client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.WriteError):  # it never had the whole request
+            return False
+        except httpx.TransportError as err:
+            if scope["method"] in READS:  # it may have read: so may we, again
+                return False
+            log.warning("the bulk process did not answer %s: %r", scope["path"], err)
+            retry = RetryError("the server's bulk process exited while serving this; retry it")
+            await _answer(retry.status, retry.body(), send)
+            return True
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": [
+                        (k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP
+                    ],
+                }
+            )
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+        return True
+
+
+class ForwardBulk:
+    """The ASGI middleware, inside the body limit, that sends a bulk request to the bulk
+    process while it answers, and serves the rest (and bulk requests meanwhile) here."""
+
+    def __init__(self, app: ASGIApp, *, bulk: BulkProcess) -> None:
+        self.app = app
+        self.bulk = bulk
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or Head.of(scope).route_class is not RouteClass.BULK:
+            await self.app(scope, receive, send)
+            return
+        if not self.bulk.ready:  # starting, restarting: served here, as without one
+            self.bulk.metrics.bulk_served.labels("here").inc()
+            await self.app(scope, receive, send)
+            return
+        message = await receive()  # the whole body: the body limit read it
+        if message["type"] == "http.request" and await self.bulk.forward(
+            scope, message.get("body", b""), send
+        ):
+            self.bulk.metrics.bulk_served.labels("bulk_process").inc()
+            return
+        self.bulk.metrics.bulk_served.labels("here").inc()
+        await self.app(scope, _again(message, receive), send)
+
+
+def _again(message: Message, receive: Receive) -> Receive:
+    """A receive that hands out ``message`` again, then waits on ``receive``."""
+    pending = [message]
+
+    async def again() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return again
+
+
+async def _answer(status: int, body: dict[str, object], send: Send) -> None:
+    content = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+    headers.append((b"content-length", str(len(content)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
+
+
+def _exit_with_parent() -> None:
+    """Block until stdin closes (the serving process exited, however), then stop."""
+    sys.stdin.buffer.read()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(argv: list[str]) -> int:
+    """The bulk process: ``python -m service.bulk_process SOCKET``, its settings on stdin."""
+    import uvicorn
+
+    from service.app import create_app
+    from service.health import steady_process
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    settings = dataclasses.replace(
+        Settings(**json.loads(sys.stdin.readline())),
+        bulk_process=False,
+        auto_migrate=False,  # the serving process did
+        maintenance="worker",  # the periodic tasks are the serving process's
+        rate_limit_per_second=0,  # the serving process admitted the request
+        max_expensive_per_token=0,
+        max_bulk_in_flight=0,
+    )
+    os.nice(NICENESS)
+    threading.Thread(target=_exit_with_parent, name="exit-with-parent", daemon=True).start()
+    app = create_app(settings)
+    steady_process()
+    uvicorn.run(app, uds=argv[1], log_level="warning", timeout_keep_alive=2 * KEEP_ALIVE_SECONDS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

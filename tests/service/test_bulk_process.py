@@ -1,0 +1,184 @@
+"""Bulk requests served by a process of their own (``service.bulk_process``), against a
+real ``ckpt server`` on PostgreSQL: forwarded there and answered as before, counted once
+in ``/metrics``, served in the serving process while the bulk process is gone, the bulk
+process started again when it dies and gone when the server is killed."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.settings import Settings
+from tests.server_process import ANSWER_HANG_GUARD, ServerProcess, ckpt_server
+from tests.service.conftest import create_pg_database
+
+BULK_PAGE = {"limit": 500}  # a page of more than 100 runs: bulk (service.admission)
+TRIES = 5  # a bulk process started again before a request came: try again with the new one
+
+
+@pytest.fixture
+def server(pg_databases: list[str], tmp_path: Path) -> Iterator[ServerProcess]:
+    url = create_pg_database()
+    pg_databases.append(url)
+    with ckpt_server(tmp_path, database_url=url) as running:
+        wait_for(lambda: metric(running, "ckpt_bulk_process_up") == 1, "the bulk process")
+        yield running
+
+
+def metric(server: ServerProcess, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=ANSWER_HANG_GUARD).text
+    found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def served(server: ServerProcess, where: str) -> float:
+    return metric(server, "ckpt_bulk_served_total", f'{{where="{where}"}}')
+
+
+def wait_for(condition: Callable[[], bool], what: str) -> None:
+    """Until ``condition`` holds (a state of the server, read again and again)."""
+    deadline = time.monotonic() + ANSWER_HANG_GUARD
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting for {what}"
+        time.sleep(0.02)
+
+
+def bulk_process(server: ServerProcess) -> int:
+    """The pid of the server's bulk process (a child of its serving process); 0: none now."""
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    for child in map(int, children):
+        with suppress(FileNotFoundError):  # a child that exited meanwhile
+            if b"service.bulk_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+    return 0
+
+
+def replaced(server: ServerProcess, dead: int) -> bool:
+    """Whether the server has a bulk process again, not ``dead``."""
+    return bulk_process(server) not in (0, dead)
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or one exited that no parent has reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_bulk_requests_are_answered_by_the_bulk_process_and_counted_once(
+    server: ServerProcess,
+) -> None:
+    labels = '{method="GET",route="/v1/runs",status="200"}'
+    counted = metric(server, "ckpt_http_requests_total", labels)  # the start's checks
+    with server.client() as client:
+        page = client.get("/v1/runs", params=BULK_PAGE)
+        small = client.get("/v1/runs", params={"limit": 5})  # not bulk: served here
+        missing = client.get("/v1/runs/no-such-run/lineage")  # bulk, and an error
+    assert page.status_code == small.status_code == 200
+    assert page.json() == small.json() == {"runs": [], "next": None}
+    assert missing.status_code == 404
+    assert missing.json()["error"] == "not_found"
+    assert missing.headers["content-type"] == "application/json"
+    assert served(server, "bulk_process") == 2
+    assert served(server, "here") == 0
+    # Each request counted once, by the process that served it.
+    assert metric(server, "ckpt_http_requests_total", labels) == counted + 2
+
+
+def test_a_dead_bulk_process_is_replaced_and_bulk_requests_are_served_meanwhile(
+    server: ServerProcess,
+) -> None:
+    with server.client() as client:
+        for tries in range(1, TRIES + 1):  # noqa: B007 (the count is read after the loop)
+            first = kill_bulk_process(server)
+            # Before the serving process starts another (1 s after it saw this one die),
+            # bulk requests are served where they were before there was one.
+            answer = client.get("/v1/runs", params=BULK_PAGE)
+            assert answer.status_code == 200, answer.text
+            if served(server, "here") == 1:
+                break
+            wait_for(partial(replaced, server, first), "a bulk process again")
+        assert served(server, "here") == 1, f"a bulk process was always back within {tries}"
+        exits = float(tries)
+        wait_for(lambda: metric(server, "ckpt_bulk_process_exits_total") == exits, "the exit")
+        wait_for(lambda: metric(server, "ckpt_bulk_process_up") == 1, "a new bulk process")
+        assert replaced(server, first)
+        before = served(server, "bulk_process")
+        assert client.get("/v1/runs", params=BULK_PAGE).status_code == 200
+    assert served(server, "bulk_process") == before + 1
+    assert "the bulk process" in server.log.read_text()  # the serving process said so
+
+
+def kill_bulk_process(server: ServerProcess) -> int:
+    child = bulk_process(server)
+    assert child
+    os.kill(child, signal.SIGKILL)
+    return child
+
+
+def test_a_bulk_process_exits_with_its_serving_process(server: ServerProcess) -> None:
+    child = bulk_process(server)
+    assert child
+    os.kill(server.pid, signal.SIGKILL)  # no shutdown: the bulk process sees its stdin close
+    wait_for(lambda: gone(child), f"bulk process {child} to exit")
+
+
+def test_a_bulk_process_killed_while_it_serves_leaves_an_answer(
+    server: ServerProcess,
+) -> None:
+    """Stopped, then killed with a bulk request admitted: the client gets an HTTP answer (a
+    503 with Retry-After if the request had reached it: a GC pass, which it may have run;
+    else served here), never a reset."""
+    child = bulk_process(server)
+    assert child
+    os.kill(child, signal.SIGSTOP)
+    with server.client() as client, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.post, "/v1/gc", params={"dry_run": "true"})
+        # Admitted (the serving process counts it in flight), and then forwarded at once.
+        wait_for(lambda: metric(server, "ckpt_bulk_in_flight") >= 1, "the request admitted")
+        # What is not bulk is answered while the bulk process is stopped.
+        assert client.get("/v1/runs", params={"limit": 5}).status_code == 200
+        os.kill(child, signal.SIGKILL)
+        got = answer.result()
+    assert got.status_code in (200, 503), got.text
+    if got.status_code == 503:
+        assert got.headers["retry-after"] == "1"
+        assert "retry it" in got.json()["message"]
+    wait_for(partial(replaced, server, child), "the bulk process started again")
+
+
+def test_each_worker_has_a_bulk_process_and_stops_it(
+    pg_databases: list[str], tmp_path: Path
+) -> None:
+    url = create_pg_database()
+    pg_databases.append(url)
+    with ckpt_server(tmp_path, database_url=url, env={"CKPT_WORKERS": "2"}) as running:
+        wait_for(lambda: metric(running, "ckpt_bulk_process_up") == 2, "two bulk processes")
+        # The supervisor's children: the two workers, and multiprocessing's helper.
+        children = Path(f"/proc/{running.pid}/task/{running.pid}/children").read_text().split()
+        bulk = [bulk_process(replace(running, pid=int(child))) for child in children]
+        bulk = [pid for pid in bulk if pid]
+        assert len(bulk) == 2
+    for pid in bulk:  # a server stopped (SIGTERM) stops them
+        wait_for(partial(gone, pid), f"bulk process {pid} to exit")
+
+
+def test_a_bulk_process_is_the_default_on_postgresql_only() -> None:
+    postgresql = {"CKPT_DATABASE_URL": "postgresql://h/d"}
+    assert Settings.from_env(postgresql).bulk_in_own_process
+    assert not Settings.from_env({**postgresql, "CKPT_BULK_PROCESS": "0"}).bulk_in_own_process
+    assert not Settings.from_env({}).bulk_in_own_process  # the embedded SQLite catalog
+    with pytest.raises(ValueError, match="CKPT_BULK_PROCESS needs a PostgreSQL catalog"):
+        Settings.from_env({"CKPT_BULK_PROCESS": "1"})
