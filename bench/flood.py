@@ -17,6 +17,8 @@ of its own) is probed ``--probes`` times, one at a time, on its own connection. 
 probes run first with no load: the baseline, in the same run. Prints p50 / p99 of both,
 their ratio, and how the flood was answered (200s and 429s).
 
+On PostgreSQL the server serves bulk requests in a process of their own (its default,
+``CKPT_BULK_PROCESS``); ``--env CKPT_BULK_PROCESS=0`` measures them served beside the probes.
 With ``--split`` the flood goes to a second ``ckpt server`` on the same database and store
 (the same cores too): what the probes would see if the bulk work ran in a process of its
 own, with a GIL of its own.

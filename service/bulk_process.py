@@ -94,7 +94,10 @@ class BulkProcess:
         try:
             while not stop.is_set():
                 started = time.monotonic()
-                await self._run_once(stop)
+                try:
+                    await self._run_once(stop)
+                except Exception:  # it could not be started: as if it had exited
+                    log.exception("the bulk process failed")
                 if stop.is_set():
                     break
                 self.metrics.bulk_process_exits.inc()

@@ -16,6 +16,10 @@ nothing outside a bulk request or on the event loop. ``MarkPriority``, just insi
 token limits, counts the priority requests in flight in ``PriorityGate``: from their
 admission, while their bodies arrive and they are routed, to their answers sent.
 
+Under ``ckpt server`` on PostgreSQL the bulk requests have a process of their own
+(``service.bulk_process``): what is here serves them where they share the priority class's
+process, on SQLite and while that process is starting or gone.
+
 Pause points are worth what the longest stretch between two of them is: measured under
 ``bench/flood.py --probe resumable --mix``, a bulk request took 2.9 ms (median) to 13 ms
 (p99) to pause after a priority request arrived, until the longest stretches were cut (a
