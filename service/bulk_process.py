@@ -34,10 +34,8 @@ import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 
 import httpx
@@ -55,9 +53,6 @@ RESTART_SECONDS = (1.0, 30.0)
 START_SECONDS = 60.0  # a bulk process not answering by then is stopped and started again
 READY_POLL_SECONDS = 0.05
 STOP_SECONDS = 30.0  # after SIGTERM, before SIGKILL
-# The bulk process's nice value: where the cores are short, the scheduler gives them to the
-# serving process (the priority class) first, and bulk work the rest.
-NICENESS = 10
 READS = frozenset(("GET", "HEAD"))  # served here when the bulk process died serving them
 # Headers of one connection, not of the request or the answer: never forwarded. ``expect``:
 # the serving process has read the body already.
@@ -117,7 +112,7 @@ class BulkProcess:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "service.bulk_process",
+            "service.bulk_child",
             self.socket,
             stdin=asyncio.subprocess.PIPE,
             start_new_session=True,  # a terminal's Ctrl-C is the serving process's to pass on
@@ -245,38 +240,3 @@ async def _answer(status: int, body: dict[str, object], send: Send) -> None:
     headers.append((b"content-length", str(len(content)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": content})
-
-
-def _exit_with_parent() -> None:
-    """Block until stdin closes (the serving process exited, however), then stop."""
-    sys.stdin.buffer.read()
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def main(argv: list[str]) -> int:
-    """The bulk process: ``python -m service.bulk_process SOCKET``, its settings on stdin."""
-    import uvicorn
-
-    from service.app import create_app
-    from service.health import steady_process
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    settings = dataclasses.replace(
-        Settings(**json.loads(sys.stdin.readline())),
-        bulk_process=False,
-        auto_migrate=False,  # the serving process did
-        maintenance="worker",  # the periodic tasks are the serving process's
-        rate_limit_per_second=0,  # the serving process admitted the request
-        max_expensive_per_token=0,
-        max_bulk_in_flight=0,
-    )
-    os.nice(NICENESS)
-    threading.Thread(target=_exit_with_parent, name="exit-with-parent", daemon=True).start()
-    app = create_app(settings)
-    steady_process()
-    uvicorn.run(app, uds=argv[1], log_level="warning", timeout_keep_alive=2 * KEEP_ALIVE_SECONDS)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -59,7 +59,7 @@ def bulk_process(server: ServerProcess) -> int:
     children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
     for child in map(int, children):
         with suppress(FileNotFoundError):  # a child that exited meanwhile
-            if b"service.bulk_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"service.bulk_child" in Path(f"/proc/{child}/cmdline").read_bytes():
                 return child
     return 0
 
