@@ -7,9 +7,9 @@ cannot end them: under ``bench/flood.py --probe resumable --mix`` the p99 of
 ``/resumable`` stayed 1.5-2.6 times idle. The same flood sent to a second server process
 (``--split``) left it 1.4-1.5 times idle: what is left then is the cores, not the GIL.
 
-So ``ckpt server`` on PostgreSQL starts, beside each serving process, a **bulk process**:
-the same app, listening on a Unix socket in a directory only its user can enter, with no
-token limits (the serving process admitted the request and counts it) and no periodic
+So ``ckpt server`` on PostgreSQL starts, beside each serving process, a **bulk process**
+(``service.bulk_child``): the same app at nice 10, listening on a Unix socket in a
+directory only its user can enter, with no token limits (the serving process admitted the request and counts it) and no periodic
 tasks. The serving process forwards each admitted bulk request there (``ForwardBulk``),
 its body already read under the body limit, and streams the answer back unread. Requests
 and metrics: the bulk process writes its own into the same multiprocess directory, so
@@ -18,9 +18,10 @@ and metrics: the bulk process writes its own into the same multiprocess director
 - **Starting, restarting, gone**: until the bulk process answers, bulk requests are served
   in the serving process as before (``BulkTurns``, pausing for priority requests). One
   that exits is started again, after 1 s, doubling to 30 s while it keeps exiting.
-- **A request it could not be sent**: served in the serving process. **One it was sent
-  and did not answer** (it exited meanwhile) is answered 503 with ``Retry-After``: it may
-  have been carried out, and the client retries it as it would any 503.
+- **A request it could not be sent**, or a read it was sent and did not answer (it died
+  meanwhile): served in the serving process. **Any other request it did not answer** is
+  answered 503 with ``Retry-After``: it may have been carried out, and the client retries
+  it as it would any 503.
 - **The serving process exits**: the bulk process's stdin closes, and it exits too (after
   the requests it holds), even when the serving process was killed.
 """
@@ -59,6 +60,8 @@ READS = frozenset(("GET", "HEAD"))  # served here when the bulk process died ser
 HOP_BY_HOP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"expect")
 )
+# An answer's headers the serving process's uvicorn writes itself, to every answer.
+OWN_HEADERS = HOP_BY_HOP | {b"date", b"server"}
 
 
 class BulkProcess:
@@ -186,7 +189,7 @@ class BulkProcess:
                     "type": "http.response.start",
                     "status": response.status_code,
                     "headers": [
-                        (k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP
+                        (k, v) for k, v in response.headers.raw if k.lower() not in OWN_HEADERS
                     ],
                 }
             )

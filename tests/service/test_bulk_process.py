@@ -91,6 +91,9 @@ def test_bulk_requests_are_answered_by_the_bulk_process_and_counted_once(
     assert missing.status_code == 404
     assert missing.json()["error"] == "not_found"
     assert missing.headers["content-type"] == "application/json"
+    for answer in (page, missing):  # each header once: the serving process's, not twice
+        names = [name.lower() for name, _ in answer.headers.raw]
+        assert sorted(names) == sorted(set(names)), names
     assert served(server, "bulk_process") == 2
     assert served(server, "here") == 0
     # Each request counted once, by the process that served it.
