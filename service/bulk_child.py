@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -18,9 +19,10 @@ from service.settings import KEEP_ALIVE_SECONDS, Settings
 NICENESS = 10
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(orphaned: threading.Event) -> None:
     """Block until stdin closes (the serving process exited, however), then stop."""
     sys.stdin.buffer.read()
+    orphaned.set()
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -40,13 +42,30 @@ def main(argv: list[str]) -> int:
         rate_limit_per_second=0,  # the serving process admitted the request
         max_expensive_per_token=0,
         max_bulk_in_flight=0,
+        token_cache_seconds=0,  # a token revoked through the serving process: refused here too
     )
-    os.nice(NICENESS)
-    threading.Thread(target=_exit_with_parent, name="exit-with-parent", daemon=True).start()
+    orphaned = threading.Event()
+    threading.Thread(
+        target=_exit_with_parent, args=(orphaned,), name="exit-with-parent", daemon=True
+    ).start()
     app = create_app(settings)
     steady_process()
-    uvicorn.run(app, uds=argv[1], log_level="warning", timeout_keep_alive=2 * KEEP_ALIVE_SECONDS)
+    os.nice(NICENESS)  # after its start, which a saturated machine must not hold back
+    # Uvicorn stops on SIGTERM, then raises it again with the handler it found: this one
+    # ends the process by an exception, through the ``finally`` below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    try:
+        uvicorn.run(
+            app, uds=argv[1], log_level="warning", timeout_keep_alive=2 * KEEP_ALIVE_SECONDS
+        )
+    finally:
+        if orphaned.is_set():  # the serving process is gone: its socket's directory is ours
+            shutil.rmtree(os.path.dirname(argv[1]), ignore_errors=True)
     return 0
+
+
+def _exit_on_signal(number: int, _: object) -> None:
+    raise SystemExit(128 + number)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ and metrics: the bulk process writes its own into the same multiprocess director
 
 - **Starting, restarting, gone**: until the bulk process answers, bulk requests are served
   in the serving process as before (``BulkTurns``, pausing for priority requests). One
-  that exits is started again, after 1 s, doubling to 30 s while it keeps exiting.
+  that exits is started again, after 1 s, doubling to 30 s while it keeps exiting; one
+  that hangs (``/healthz`` unanswered ``WATCH_FAILURES`` times in a row) is killed first.
 - **A request it could not be sent**, or a read it was sent and did not answer (it died
   meanwhile): served in the serving process. **Any other request it did not answer** is
   answered 503 with ``Retry-After``: it may have been carried out, and the client retries
@@ -51,8 +52,14 @@ log = logging.getLogger("ckpt.service.bulk")
 
 # Seconds before a bulk process that exited is started again: the first time, and at most.
 RESTART_SECONDS = (1.0, 30.0)
-START_SECONDS = 60.0  # a bulk process not answering by then is stopped and started again
+# A bulk process not listening by then is stopped and started again: as long as a server
+# may take to start on a saturated machine.
+START_SECONDS = 300.0
 READY_POLL_SECONDS = 0.05
+# Once up, it is asked ``/healthz`` this often, on a connection of its own, with as long to
+# answer; one that fails this many times in a row (hung) is killed and started again.
+WATCH_SECONDS = 10.0
+WATCH_FAILURES = 3
 STOP_SECONDS = 30.0  # after SIGTERM, before SIGKILL
 READS = frozenset(("GET", "HEAD"))  # served here when the bulk process died serving them
 # Headers of one connection, not of the request or the answer: never forwarded. ``expect``:
@@ -82,12 +89,13 @@ class BulkProcess:
         directory = tempfile.mkdtemp(prefix="ckpt-bulk-")  # mode 0700
         self.socket = os.path.join(directory, "bulk.sock")
         self._client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=self.socket),
-            base_url="http://bulk",
+            transport=httpx.AsyncHTTPTransport(
+                uds=self.socket,
+                # Shorter than the bulk process keeps an idle connection: the close is ours.
+                limits=httpx.Limits(keepalive_expiry=KEEP_ALIVE_SECONDS / 2),
+            ),
             # A bulk request (a GC pass) may run for minutes; reaching the socket may not.
             timeout=httpx.Timeout(None, connect=5.0),
-            # Shorter than the bulk process keeps an idle connection: the close is ours.
-            limits=httpx.Limits(keepalive_expiry=KEEP_ALIVE_SECONDS / 2),
         )
         try:
             while not stop.is_set():
@@ -127,10 +135,10 @@ class BulkProcess:
         stopping = asyncio.create_task(stop.wait())
         try:
             await process.stdin.drain()
-            if await self._answers(exited):
+            if await self._answers(exited, stop):
                 self._up(True)
                 log.info("bulk requests are served by process %d", process.pid)
-                await asyncio.wait((exited, stopping), return_when=asyncio.FIRST_COMPLETED)
+                await self._watch(process, exited, stopping)
         finally:
             self._up(False)
             stopping.cancel()
@@ -145,17 +153,60 @@ class BulkProcess:
                 log.warning("the bulk process %d exited with %s", process.pid, exited.result())
             process_exited(process.pid)
 
-    async def _answers(self, exited: asyncio.Task[int]) -> bool:
-        """Whether the bulk process listens before it exits or ``START_SECONDS`` pass
-        (uvicorn listens once the app has started; a probe request would be counted)."""
+    async def _answers(self, exited: asyncio.Task[int], stop: asyncio.Event) -> bool:
+        """Whether the bulk process listens before it exits, ``stop`` or ``START_SECONDS``
+        (uvicorn listens once the app has started)."""
         deadline = time.monotonic() + START_SECONDS
-        while not exited.done() and time.monotonic() < deadline:
+        while not exited.done() and not stop.is_set() and time.monotonic() < deadline:
             with contextlib.suppress(OSError):
                 _, writer = await asyncio.open_unix_connection(self.socket)
                 writer.close()
                 return True
             await asyncio.sleep(READY_POLL_SECONDS)
         return False
+
+    async def _watch(
+        self,
+        process: asyncio.subprocess.Process,
+        exited: asyncio.Task[int],
+        stopping: asyncio.Task[bool],
+    ) -> None:
+        """Until the bulk process exits or ``stopping``; one that hangs is killed."""
+        failures = 0
+        while True:
+            done, _ = await asyncio.wait(
+                (exited, stopping), timeout=WATCH_SECONDS, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                return
+            failures = 0 if await self._healthy() else failures + 1
+            if failures == WATCH_FAILURES:
+                log.warning(
+                    "the bulk process %d did not answer /healthz %d times in a row; killing it",
+                    process.pid,
+                    failures,
+                )
+                process.kill()
+                await exited
+                return
+
+    async def _healthy(self) -> bool:
+        """Whether the bulk process answers ``/healthz`` 200 within ``WATCH_SECONDS``, on a
+        connection of its own (a request queued behind bulk work would say nothing)."""
+        try:
+            async with asyncio.timeout(WATCH_SECONDS):
+                reader, writer = await asyncio.open_unix_connection(self.socket)
+                try:
+                    writer.write(
+                        b"GET /healthz HTTP/1.1\r\nhost: bulk\r\nconnection: close\r\n\r\n"
+                    )
+                    await writer.drain()
+                    status = await reader.readline()
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError):
+            return False
+        return status.split(b" ")[1:2] == [b"200"]
 
     def _up(self, up: bool) -> None:
         self.ready = up
@@ -165,22 +216,29 @@ class BulkProcess:
         """Serve the request in the bulk process and stream its answer to ``send``; False
         when the request could not be sent (serve it here)."""
         assert self._client is not None
-        query = scope.get("query_string", b"").decode("latin-1")
-        request = self._client.build_request(
-            scope["method"],
-            scope["path"] + (f"?{query}" if query else ""),
-            headers=[(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP],
-            content=body,
-        )
+        # As the client sent it: the decoded path may hold what a URL cannot (%00), or
+        # what would route elsewhere (%3F).
+        raw = scope.get("raw_path") or scope["path"].encode()
+        query = scope.get("query_string", b"")
+        try:
+            request = self._client.build_request(
+                scope["method"],
+                httpx.URL("http://bulk").copy_with(raw_path=raw + b"?" + query if query else raw),
+                headers=[(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP],
+                content=body,
+            )
+        except httpx.InvalidURL:  # served here, where the route says what is wrong
+            return False
         try:
             response = await self._client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.WriteError):  # it never had the whole request
+        except (httpx.ConnectError, httpx.ConnectTimeout):  # it never had the request
             return False
         except httpx.TransportError as err:
             if scope["method"] in READS:  # it may have read: so may we, again
                 return False
             log.warning("the bulk process did not answer %s: %r", scope["path"], err)
             retry = RetryError("the server's bulk process exited while serving this; retry it")
+            self.metrics.bulk_served.labels("retry").inc()
             await _answer(retry.status, retry.body(), send)
             return True
         try:
@@ -195,6 +253,8 @@ class BulkProcess:
             )
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            # Counted before the answer ends: a client that then scrapes finds it counted.
+            self.metrics.bulk_served.labels("bulk_process").inc()
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
@@ -221,7 +281,6 @@ class ForwardBulk:
         if message["type"] == "http.request" and await self.bulk.forward(
             scope, message.get("body", b""), send
         ):
-            self.bulk.metrics.bulk_served.labels("bulk_process").inc()
             return
         self.bulk.metrics.bulk_served.labels("here").inc()
         await self.app(scope, _again(message, receive), send)

@@ -85,8 +85,9 @@ class Metrics:
         )
         self.bulk_served = Counter(
             "ckpt_bulk_served",
-            "bulk requests by where they were served: bulk_process, or here (the serving "
-            "process, while its bulk process was not answering)",
+            "bulk requests by where they were served: bulk_process, here (the serving "
+            "process, while its bulk process was not answering), or retry (answered 503: its "
+            "bulk process died serving it)",
             ["where"],
             registry=self.registry,
         )

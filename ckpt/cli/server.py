@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -237,10 +238,18 @@ def worker_metrics() -> Iterator[None]:
     count of an earlier server must never add to this one's."""
     with tempfile.TemporaryDirectory(prefix="ckpt-metrics-") as directory:
         os.environ[MULTIPROCESS_DIR] = directory
+        # Uvicorn stops on SIGTERM and then raises it again with the handler it found: the
+        # default one would end the process here, the directory left behind.
+        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
         try:
             yield
         finally:
+            signal.signal(signal.SIGTERM, previous)
             del os.environ[MULTIPROCESS_DIR]
+
+
+def _exit_on_signal(number: int, _: object) -> None:
+    raise SystemExit(128 + number)
 
 
 def port_free(host: str, port: int) -> None:
