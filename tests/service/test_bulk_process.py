@@ -213,3 +213,19 @@ def test_a_bulk_process_is_the_default_on_postgresql_only() -> None:
     assert not Settings.from_env({}).bulk_in_own_process  # the embedded SQLite catalog
     with pytest.raises(ValueError, match="CKPT_BULK_PROCESS needs a PostgreSQL catalog"):
         Settings.from_env({"CKPT_BULK_PROCESS": "1"})
+
+
+@pytest.mark.slow  # three health checks, 10 s apart
+def test_a_hung_bulk_process_is_killed_and_replaced(server: ServerProcess) -> None:
+    child = bulk_process(server)
+    assert child
+    os.kill(child, signal.SIGSTOP)  # alive, and answering nothing
+    try:
+        hung = lambda: metric(server, "ckpt_bulk_process_exits_total") == 1  # noqa: E731
+        wait_for(hung, "the hung bulk process killed", STARTUP_HANG_GUARD)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(child, signal.SIGCONT)
+    wait_for(partial(gone, child), f"bulk process {child} to exit")
+    wait_for(partial(replaced, server, child), "the bulk process started again")
+    assert "did not answer /healthz 3 times in a row" in server.log.read_text()
