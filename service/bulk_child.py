@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     os.nice(NICENESS)  # after its start, which a saturated machine must not hold back
     # Uvicorn stops on SIGTERM, then raises it again with the handler it found: this one
     # ends the process by an exception, through the ``finally`` below.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         uvicorn.run(
             app, uds=argv[1], log_level="warning", timeout_keep_alive=2 * KEEP_ALIVE_SECONDS
@@ -64,7 +64,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _exit_on_signal(number: int, _: object) -> None:
+def exit_on_signal(number: int, _: object) -> None:
+    """A signal handler that ends the process by ``SystemExit``, through its ``finally``s
+    (``ckpt server`` uses it too, for its metrics directory)."""
     raise SystemExit(128 + number)
 
 

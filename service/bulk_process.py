@@ -41,6 +41,7 @@ import tempfile
 import time
 
 import httpx
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.admission import Head, RouteClass
@@ -239,7 +240,8 @@ class BulkProcess:
             log.warning("the bulk process did not answer %s: %r", scope["path"], err)
             retry = RetryError("the server's bulk process exited while serving this; retry it")
             self.metrics.bulk_served.labels("retry").inc()
-            await _answer(retry.status, retry.body(), send)
+            answer = JSONResponse(retry.body(), retry.status, headers={"Retry-After": "1"})
+            await answer(scope, _closed, send)
             return True
         try:
             await send(
@@ -286,6 +288,10 @@ class ForwardBulk:
         await self.app(scope, _again(message, receive), send)
 
 
+async def _closed() -> Message:
+    return {"type": "http.disconnect"}  # the answer reads nothing more of the request
+
+
 def _again(message: Message, receive: Receive) -> Receive:
     """A receive that hands out ``message`` again, then waits on ``receive``."""
     pending = [message]
@@ -294,11 +300,3 @@ def _again(message: Message, receive: Receive) -> Receive:
         return pending.pop() if pending else await receive()
 
     return again
-
-
-async def _answer(status: int, body: dict[str, object], send: Send) -> None:
-    content = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
-    headers.append((b"content-length", str(len(content)).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": content})

@@ -21,6 +21,7 @@ from ckpt.cli.config import (
     settings,
 )
 from ckpt.core.version import __version__
+from service.bulk_child import exit_on_signal
 from service.settings import KEEP_ALIVE_SECONDS, MULTIPROCESS_DIR
 
 if TYPE_CHECKING:
@@ -240,16 +241,12 @@ def worker_metrics() -> Iterator[None]:
         os.environ[MULTIPROCESS_DIR] = directory
         # Uvicorn stops on SIGTERM and then raises it again with the handler it found: the
         # default one would end the process here, the directory left behind.
-        previous = signal.signal(signal.SIGTERM, _exit_on_signal)
+        previous = signal.signal(signal.SIGTERM, exit_on_signal)
         try:
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
             del os.environ[MULTIPROCESS_DIR]
-
-
-def _exit_on_signal(number: int, _: object) -> None:
-    raise SystemExit(128 + number)
 
 
 def port_free(host: str, port: int) -> None:
