@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, TypeVar
 
 import anyio.to_thread
@@ -14,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BeforeValidator
 
 from service.auth.principal import Principal
-from service.auth.service import authenticate
+from service.auth.service import Bearer, authenticate
 from service.context import Context
 from service.names import MAX_ID, MAX_RANK, RUN_NAME_PATTERN
 from service.settings import admin_tokens
@@ -65,20 +66,22 @@ class Priority:
     served. Authenticated in the same thread as its work: one trip to a thread, not two."""
 
     context: Context
-    authorization: str | None
-    admin_tokens: tuple[str, ...]
+    token: Bearer
     threads: CapacityLimiter
 
     async def serve(self, work: Callable[[Context, Principal], T]) -> T:
         """``work(context, principal)`` in a priority thread."""
 
         def authenticated() -> T:
-            principal = authenticate(
-                self.context, authorization=self.authorization, admin_tokens=self.admin_tokens
-            )
-            return work(self.context, principal)
+            return work(self.context, self.token.cached() or self.token.read())
 
         return await anyio.to_thread.run_sync(authenticated, limiter=self.threads)
+
+    async def serve_bearer(self, work: Callable[[Context, Bearer], T]) -> T:
+        """``work(context, token)`` in a priority thread, for work that checks the token
+        itself: a heartbeat, in its one statement (``runs.beats``)."""
+        authenticating = partial(work, self.context, self.token)
+        return await anyio.to_thread.run_sync(authenticating, limiter=self.threads)
 
 
 async def get_priority(
@@ -87,12 +90,8 @@ async def get_priority(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
 ) -> Priority:
     authorization = f"{credentials.scheme} {credentials.credentials}" if credentials else None
-    return Priority(
-        context=context,
-        authorization=authorization,
-        admin_tokens=admin_tokens(request.app.state.admin_token),
-        threads=request.app.state.priority_threads,
-    )
+    token = Bearer(context, authorization, admin_tokens(request.app.state.admin_token))
+    return Priority(context=context, token=token, threads=request.app.state.priority_threads)
 
 
 PriorityDep = Annotated[Priority, Depends(get_priority)]

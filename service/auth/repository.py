@@ -2,20 +2,28 @@ from __future__ import annotations
 
 import functools
 from datetime import datetime
+from typing import NamedTuple
 
-from sqlalchemy import Row, Select, bindparam, select
+from sqlalchemy import Select, bindparam, select
 from sqlalchemy.orm import Session
 
 from service.models import Token, utcnow
 
-# A token as every request reads it: id, name, role, run_name, expires_at.
-TokenRow = Row[int, str, str, str | None, datetime | None]
+
+class TokenRow(NamedTuple):
+    """A token as every request reads it (a row, not an entity)."""
+
+    id: int
+    name: str
+    role: str
+    run_name: str | None
+    expires_at: datetime | None
 
 
 def find_token(session: Session, *, token_hash: str) -> TokenRow | None:
-    """The unrevoked token with this hash: its ``id``, ``name``, ``role``, ``run_name`` and
-    ``expires_at`` (a row, not an entity: every request reads it)."""
-    return session.connection().execute(_find_token(), {"token_hash": token_hash}).first()
+    """The unrevoked token with this hash."""
+    row = session.connection().execute(_find_token(), {"token_hash": token_hash}).first()
+    return None if row is None else TokenRow(*row)
 
 
 @functools.cache

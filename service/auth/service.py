@@ -10,13 +10,16 @@ valid at once, so that it can be rotated without downtime.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from service.auth import repository
 from service.auth.principal import Principal
+from service.auth.repository import TokenRow
 from service.auth.schemas import TokenCreate, TokenCreated, TokenOut
 from service.context import Context
 from service.errors import ForbiddenError, NotFoundError, UnauthorizedError
@@ -34,21 +37,45 @@ def authenticate(
     """The principal behind an ``Authorization: Bearer ...`` header: one of the configured
     ``admin_tokens``, or an unexpired token of the catalog (``context.tokens`` keeps those
     seen lately: ``service.auth.cache``)."""
-    scheme, _, token = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise UnauthorizedError(
-            "send a bearer token: 'Authorization: Bearer <token>' (create one with "
-            "'ckpt token create')"
-        )
-    token = token.strip()
-    if _is_admin(token, admin_tokens):
-        return Principal(name="admin", role=Role.ADMIN)
-    token_hash = hash_token(token)
-    known = context.tokens.get(token_hash)
-    if known is not None:
-        return known
-    with context.read() as session:
-        found = repository.find_token(session, token_hash=token_hash)
+    bearer = Bearer(context, authorization, admin_tokens)
+    return bearer.cached() or bearer.read()
+
+
+@dataclass
+class Bearer:
+    """A request's bearer token, checked when asked: ``cached`` without reading the catalog
+    (an admin token, a token the cache keeps), ``read`` by reading it. Work that checks the
+    token in a statement of its own (a heartbeat's, ``runs.beats``) takes ``token_hash`` and
+    ``remember``s the token's row, as ``read`` does."""
+
+    context: Context
+    authorization: str | None
+    admin_tokens: Sequence[str]
+
+    @functools.cached_property
+    def token(self) -> str:
+        scheme, _, token = (self.authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise UnauthorizedError(
+                "send a bearer token: 'Authorization: Bearer <token>' (create one with "
+                "'ckpt token create')"
+            )
+        return token.strip()
+
+    @functools.cached_property
+    def token_hash(self) -> str:
+        return hash_token(self.token)
+
+    def cached(self) -> Principal | None:
+        """The principal if it takes no read of the catalog; None if it does."""
+        if _is_admin(self.token, self.admin_tokens):
+            return Principal(name="admin", role=Role.ADMIN)
+        return self.context.tokens.get(self.token_hash)
+
+    def read(self) -> Principal:
+        """The principal of a catalog token, read from the catalog."""
+        with self.context.read() as session:
+            found = repository.find_token(session, token_hash=self.token_hash)
         if found is None:
             raise UnauthorizedError("unknown or revoked token")
         if found.expires_at is not None and found.expires_at <= utcnow():
@@ -56,11 +83,16 @@ def authenticate(
                 f"token {found.id} ({found.name}) expired at {found.expires_at:%Y-%m-%d %H:%M:%S} "
                 "UTC: ask an admin for a new one ('ckpt token create --expires-in ...')"
             )
+        return self.remember(found)
+
+    def remember(self, found: TokenRow) -> Principal:
+        """The principal of the token's row, read now (unrevoked and unexpired), kept in
+        the cache."""
         principal = Principal(
             name=found.name, role=Role(found.role), run=found.run_name, token_id=found.id
         )
-    context.tokens.put(token_hash, principal, expires_at=found.expires_at)
-    return principal
+        self.context.tokens.put(self.token_hash, principal, expires_at=found.expires_at)
+        return principal
 
 
 def _is_admin(token: str, admin_tokens: Sequence[str]) -> bool:

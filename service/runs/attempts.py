@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from ckpt.core.goodput import redo_seconds
 from service import lineage
 from service.auth.principal import Principal
-from service.auth.service import require_write
+from service.auth.service import Bearer, require_write
 from service.bulk import with_json
 from service.context import Context
 from service.errors import ConflictError, FencedError, InvalidRequestError, NotFoundError
@@ -75,16 +75,19 @@ def register_attempt(
         return with_json(registered, resume_from=resume_json(session, start))
 
 
-def heartbeat(
-    context: Context, principal: Principal, *, attempt_id: int, beat: Heartbeat
-) -> AttemptOut:
+def heartbeat(context: Context, token: Bearer, *, attempt_id: int, beat: Heartbeat) -> AttemptOut:
     """Record a heartbeat of one rank. A plain one (an attempt training unfenced, a step
-    within reach, no fingerprints) is one statement on PostgreSQL (``beats.beat_at_once``); any
-    other, or one that statement's checks turn away, takes the full path, which says why."""
+    within reach, no fingerprints) is one statement on PostgreSQL (``beats.beat_at_once``),
+    which checks the token too unless the token cache holds it; any other, or one that
+    statement's checks turn away, takes the full path, which says why."""
     changes = _beat_changes(beat)
-    at_once = _beat_at_once(context, principal, attempt_id=attempt_id, beat=beat, changes=changes)
+    principal = token.cached()
+    at_once = _beat_at_once(
+        context, token, principal, attempt_id=attempt_id, beat=beat, changes=changes
+    )
     if at_once is not None:
         return at_once
+    principal = principal or token.read()
     with context.transaction() as session:
         attempt, run, start = locked_attempt(session, principal, attempt_id, to_beat=True)
         check_unfenced(attempt, run)
@@ -113,34 +116,40 @@ def heartbeat(
 
 def _beat_at_once(
     context: Context,
-    principal: Principal,
+    token: Bearer,
+    principal: Principal | None,
     *,
     attempt_id: int,
     beat: Heartbeat,
     changes: dict[str, Any],
 ) -> AttemptOut | None:
     """The heartbeat in one statement (``beats.beat_at_once``), if it is plain, by a
-    token that may write, on PostgreSQL, and its checks pass; else None, nothing written."""
+    token that may write (``principal``; None: a token the statement checks), on
+    PostgreSQL, and its checks pass; else None, nothing written."""
     if beat.fingerprints or context.engine.dialect.name != "postgresql":
         return None
-    if principal.role is Role.ADMIN:
-        writer = None
+    token_hash = writer = None
+    if principal is None:
+        token_hash = token.token_hash
     elif principal.role is Role.RUN and principal.run:
         writer = principal.run
-    else:
+    elif principal.role is not Role.ADMIN:
         return None
     with context.read() as session:  # autocommit: the statement is its own transaction
         found = beats.beat_at_once(
             session,
             attempt_id=attempt_id,
             writer=writer,
+            token_hash=token_hash,
             changes=changes,
             rank=beat.rank,
             advance_limit=context.settings.max_step_advance,
         )
     if found is None:
         return None
-    run, attempt = found
+    run, attempt, token_row = found
+    if token_row is not None:
+        token.remember(token_row)
     _apply_beat(context.metrics, attempt, beat, changes)
     return attempt_out(attempt, run, steps_lost=None)
 

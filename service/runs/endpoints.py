@@ -98,7 +98,7 @@ async def register_attempt(run: RunPath, request: AttemptCreate, priority: Prior
 async def heartbeat(attempt: IdPath, beat: Heartbeat, priority: PriorityDep) -> AttemptOut:
     """Report that the attempt is alive (and its step); 409 once it is fenced. An attempt
     marked lost that heartbeats again is alive again."""
-    return await priority.serve(partial(attempts.heartbeat, attempt_id=attempt, beat=beat))
+    return await priority.serve_bearer(partial(attempts.heartbeat, attempt_id=attempt, beat=beat))
 
 
 @router.post("/attempts/{attempt}/notice", responses=responses(*ONE))

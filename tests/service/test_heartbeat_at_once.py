@@ -14,10 +14,13 @@ import httpx
 import pytest
 from sqlalchemy import event, select
 
-from service.models import Attempt, AttemptRank, Run, RunActivity
+from service.auth.principal import Principal
+from service.auth.service import hash_token
+from service.models import Attempt, AttemptRank, Role, Run, RunActivity
 from service.runs import beats
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import register, save
+from tests.service.test_token_expiry import expire
 
 TIME = {"restart_seconds": 1.5, "stall_seconds": 0.25, "train_seconds": 30.0, "steps_trained": 12}
 LATER = {"restart_seconds": 1.5, "stall_seconds": 0.5, "train_seconds": 44.0, "steps_trained": 15}
@@ -86,6 +89,25 @@ def test_a_plain_heartbeat_is_one_round_trip(postgres: Server, run_name: str) ->
             answer = admin.post(beat, json={"step": 3, "fingerprints": [fingerprint]})
     assert answer.status_code == 200, answer.text
     assert counted[0] >= 5  # BEGIN, the locked select, the fingerprints', the writes, COMMIT
+
+
+def test_a_token_not_kept_is_checked_in_the_same_statement(postgres: Server, run_name: str) -> None:
+    """A rank beats every few seconds, and a process keeps a token it read for 2 s: most
+    heartbeats come with a token it does not hold. The statement checks it (one round trip,
+    not two) and the process keeps it after, as if it had read it."""
+    with postgres.client() as admin:
+        attempt = register(admin, run_name)
+        created = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "t"})
+        token = created.json()["token"]
+    beat = f"/v1/attempts/{attempt['attempt_id']}/heartbeat"
+    assert postgres.context.tokens.get(hash_token(token)) is None
+    with postgres.client(token) as trainer, round_trips(postgres) as counted:
+        answer = trainer.post(beat, json={"step": 1})
+    assert answer.status_code == 200, answer.text
+    assert counted == [1]
+    assert postgres.context.tokens.get(hash_token(token)) == Principal(
+        name="t", role=Role.RUN, run=run_name, token_id=created.json()["id"]
+    )
 
 
 def written(server: Server, run: str) -> dict[str, Any]:
@@ -176,17 +198,25 @@ def test_what_its_checks_turn_away_is_refused_as_before_and_writes_nothing(
         token = run_token(admin, run_name)
         other = run_token(admin, f"{run_name}-other")
         reader = admin.post("/v1/tokens", json={"role": "read", "name": "r"}).json()["token"]
+        revoked = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "v"})
+        admin.delete(f"/v1/tokens/{revoked.json()['id']}").raise_for_status()
+        expired = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "e"})
+        expire(postgres, expired.json()["id"])
         admin.post(f"/v1/attempts/{old['attempt_id']}/heartbeat", json={"step": 4})
         before = written(postgres, run_name)
         beat = f"/v1/attempts/{old['attempt_id']}/heartbeat"
-        for who, body, status in [
-            (other, {"step": 5}, 403),  # a token of another run
-            (reader, {"step": 5}, 403),
-            (token, {"step": 5000}, 422),  # too far ahead
+        for who, body, status, said in [
+            (other, {"step": 5}, 403, "may not write run"),  # a token of another run
+            (reader, {"step": 5}, 403, "read-only"),
+            (revoked.json()["token"], {"step": 5}, 401, "unknown or revoked token"),
+            (expired.json()["token"], {"step": 5}, 401, "expired at"),
+            ("no-such-token", {"step": 5}, 401, "unknown or revoked token"),
+            (token, {"step": 5000}, 422, "CKPT_MAX_STEP_ADVANCE"),  # too far ahead
         ]:
             with postgres.client(who) as client:
                 answer = client.post(beat, json=body)
             assert answer.status_code == status, answer.text
+            assert said in answer.json()["message"], answer.text
         with postgres.client(token) as client:
             assert client.post("/v1/attempts/999999999/heartbeat", json={}).status_code == 404
         assert written(postgres, run_name) == before
