@@ -59,7 +59,7 @@ START_SECONDS = 300.0
 READY_POLL_SECONDS = 0.05
 # Once up, it is asked ``/healthz`` this often, on a connection of its own, with as long to
 # answer; one that fails this many times in a row (hung) is killed and started again.
-WATCH_SECONDS = 10.0
+WATCH_SECONDS = 5.0
 WATCH_FAILURES = 3
 STOP_SECONDS = 30.0  # after SIGTERM, before SIGKILL
 READS = frozenset(("GET", "HEAD"))  # served here when the bulk process died serving them

@@ -215,7 +215,7 @@ def test_a_bulk_process_is_the_default_on_postgresql_only() -> None:
         Settings.from_env({"CKPT_BULK_PROCESS": "1"})
 
 
-@pytest.mark.slow  # three health checks, 10 s apart
+@pytest.mark.slow  # three health checks, 5 s apart, each given 5 s
 def test_a_hung_bulk_process_is_killed_and_replaced(server: ServerProcess) -> None:
     child = bulk_process(server)
     assert child
