@@ -16,7 +16,10 @@ The same fleet then runs against the floor (``bench/floor.py``): a minimal FastA
 SQLAlchemy app, as many processes, on the same database, where every request of the fleet
 is one primary-key SELECT of the job's run. Per route, p50 / p99 of both and their ratio
 (ckpt / floor), requests served a second and errors (transport errors and 5xx; the 404 of a
-first ``/resumable`` is an answer). For each ``--workers`` (``CKPT_WORKERS``, ``ckpt server
+first ``/resumable`` is an answer). The floor is up throughout: while the fleet runs
+against ckpt, each heartbeat is followed at once by the floor's SELECT of the job's run,
+and the two are compared too (the same moments, the same load on the machine: what ckpt
+adds to what that load costs any server). For each ``--workers`` (``CKPT_WORKERS``, ``ckpt server
 --workers``; the floor gets as many uvicorn workers). The generator shares the machine's
 cores with the server and PostgreSQL: on a busy machine compare ratios, not milliseconds.
 """
@@ -51,6 +54,7 @@ from tests.server_process import ckpt_server, free_port, serving
 from tests.service.helpers import VERSIONS, make_layer
 
 ROUTES = ("register", "resumable", "heartbeat", "blobs/missing", "open", "record", "commit")
+BESIDE = "floor beside"  # the floor's SELECT, sent right after each of ckpt's heartbeats
 
 
 @dataclass
@@ -75,7 +79,9 @@ class Figures:
                 self.said.setdefault(f"{route} {failed}", said[:160])
 
     def served(self) -> int:
-        return sum(len(samples) for samples in self.latencies.values()) - sum(self.errors.values())
+        """The fleet's requests answered (the floor's beside them not counted)."""
+        asked = sum(len(samples) for route, samples in self.latencies.items() if route != BESIDE)
+        return asked - sum(n for route, n in self.errors.items() if route != BESIDE)
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,11 @@ class Caller:
 class Job:
     """One training job of ``ranks`` ranks, as its agents talk to the control plane."""
 
-    def __init__(self, name: str, call: Caller, store: DirectoryStore, plan: Plan) -> None:
+    def __init__(
+        self, name: str, call: Caller, store: DirectoryStore, plan: Plan, beside: Caller | None
+    ) -> None:
         self.name, self.call, self.store, self.plan = name, call, store, plan
+        self.beside = beside  # the floor, asked right after each heartbeat
         self.step = 0
         self.attempt: dict[str, Any] = {"attempt_id": 0, "epoch": 0}
 
@@ -135,6 +144,8 @@ class Job:
     def heartbeat(self) -> None:
         path = f"/v1/attempts/{self.attempt['attempt_id']}/heartbeat"
         self.call("heartbeat", "POST", path, {"step": self.step})
+        if self.beside is not None:
+            self.beside(BESIDE, "GET", "")
 
     def save(self) -> None:
         """As the agent saves: the bundle opened, then each rank's blobs asked about and
@@ -198,29 +209,37 @@ class Job:
 
 
 def drive(url: str, tokens: dict[str, str], store: DirectoryStore, plan: Plan, *,
-          floor_ids: dict[str, int] | None) -> Figures:  # fmt: skip
-    """The fleet against ``url`` (the floor when ``floor_ids``) for ``plan.seconds``."""
+          floor_ids: dict[str, int], beside: str | None = None) -> Figures:  # fmt: skip
+    """The fleet against ``url`` for ``plan.seconds``: ckpt, with the floor at ``beside``
+    asked right after each heartbeat (the same moment's load), or the floor itself."""
     figures, rng = Figures(), random.Random(0)
     names = sorted(tokens)
     waved = set(rng.sample(names, round(plan.wave * len(names))))
     started = time.monotonic()
     until = started + plan.seconds
     wave_at = started + max(0.0, plan.seconds / 2 - plan.wave_spread / 2)
-    threads = []
+    threads, clients = [], []
     for name in names:
         headers = {"Authorization": f"Bearer {tokens[name]}"}
         client = httpx.Client(base_url=url, headers=headers, timeout=60)
-        call = Caller(client, figures, floor_id=floor_ids[name] if floor_ids else None)
+        call = Caller(client, figures, floor_id=None if beside else floor_ids[name])
+        near = None
+        if beside:
+            floor_client = httpx.Client(base_url=beside, timeout=60)
+            near = Caller(floor_client, figures, floor_id=floor_ids[name])
+            clients.append(floor_client)
         preempt = wave_at + rng.uniform(0, plan.wave_spread) if name in waved else None
-        job = Job(name, call, store, plan)
+        job = Job(name, call, store, plan, near)
         seed = random.Random(rng.random())
         thread = threading.Thread(
             target=job.run, kwargs={"until": until, "preempt_at": preempt, "rng": seed}
         )
-        threads.append((thread, client))
+        threads.append(thread)
+        clients.append(client)
         thread.start()
-    for thread, client in threads:
+    for thread in threads:
         thread.join()
+    for client in clients:
         client.close()
     figures.seconds = time.monotonic() - started
     return figures
@@ -299,6 +318,13 @@ def report(workers: int, plan: Plan, ckpt: Figures, floor: Figures) -> None:
             f"  {route:<14} {len(samples):>8} {ckpt.errors[route]:>6} {c50 * 1e3:8.1f} "
             f"{c99 * 1e3:8.1f} {f50 * 1e3:9.1f} {f99 * 1e3:9.1f} {c50 / f50:6.1f} {c99 / f99:6.1f}"
         )
+    (h50, h99), (b50, b99) = (
+        percentiles(ckpt.latencies["heartbeat"]),
+        percentiles(ckpt.latencies[BESIDE]),
+    )
+    print(f"  heartbeat beside the floor's SELECT sent right after it (the same load): "
+          f"{h50 * 1e3:.1f} / {h99 * 1e3:.1f} ms against {b50 * 1e3:.1f} / {b99 * 1e3:.1f} "
+          f"(p50 / p99): x {h50 / b50:.1f} / {h99 / b99:.1f}")  # fmt: skip
     if ckpt.why:
         for what, n in sorted(ckpt.why.items()):
             print(f"  errors: {what} x {n}, the first: {ckpt.said[what]}")
@@ -310,13 +336,13 @@ def measure(database_url: str, root: Path, plan: Plan, *, workers: int) -> None:
     env = {"CKPT_WORKERS": str(workers)}
     here = root / f"w{workers}-{plan.jobs}"
     here.mkdir()
-    with ckpt_server(here, database_url=database_url, env=env) as server:
-        store = DirectoryStore(server.store)
-        with server.client() as admin:
-            tokens = setup_jobs(admin, plan.jobs, f"w{workers}j{plan.jobs}")
-        ids = run_ids(list(tokens), database_url)
-        ckpt = drive(server.url, tokens, store, plan, floor_ids=None)
     with floor_app(database_url, here, workers=workers) as url:
+        with ckpt_server(here, database_url=database_url, env=env) as server:
+            store = DirectoryStore(server.store)
+            with server.client() as admin:
+                tokens = setup_jobs(admin, plan.jobs, f"w{workers}j{plan.jobs}")
+            ids = run_ids(list(tokens), database_url)
+            ckpt = drive(server.url, tokens, store, plan, floor_ids=ids, beside=url)
         floor = drive(url, tokens, store, plan, floor_ids=ids)
     report(workers, plan, ckpt, floor)
 
