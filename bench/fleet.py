@@ -17,11 +17,12 @@ SQLAlchemy app, as many processes, on the same database, where every request of 
 is one primary-key SELECT of the job's run. Per route, p50 / p99 of both and their ratio
 (ckpt / floor), requests served a second and errors (transport errors and 5xx; the 404 of a
 first ``/resumable`` is an answer). The floor is up throughout: while the fleet runs
-against ckpt, each heartbeat is followed at once by the floor's SELECT of the job's run,
-and the two are compared too (the same moments, the same load on the machine: what ckpt
-adds to what that load costs any server). For each ``--workers`` (``CKPT_WORKERS``, ``ckpt server
---workers``; the floor gets as many uvicorn workers). The generator shares the machine's
-cores with the server and PostgreSQL: on a busy machine compare ratios, not milliseconds.
+against ckpt, each heartbeat and ``/resumable`` is followed at once by the floor's SELECT
+of the job's run, and the two are compared too (the same moments, the same load on the
+machine: what ckpt adds to what that load costs any server). For each ``--workers``
+(``CKPT_WORKERS``, ``ckpt server --workers``; the floor gets as many uvicorn workers).
+The generator shares the machine's cores with the server and PostgreSQL: on a busy machine
+compare ratios, not milliseconds.
 """
 
 from __future__ import annotations
@@ -49,12 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ckpt.core.contract import RESTORE_ORDER
 from ckpt.core.storage import DirectoryStore
+from service.settings import KEEP_ALIVE_SECONDS
 from tests.databases import throwaway_database
 from tests.server_process import ckpt_server, free_port, serving
 from tests.service.helpers import VERSIONS, make_layer
 
 ROUTES = ("register", "resumable", "heartbeat", "blobs/missing", "open", "record", "commit")
-BESIDE = "floor beside"  # the floor's SELECT, sent right after each of ckpt's heartbeats
+# Each of ckpt's requests of these routes is followed at once by the floor's SELECT, counted
+# as "floor beside ROUTE".
+PAIRED = ("resumable", "heartbeat")
+BESIDE = "floor beside"
 
 
 @dataclass
@@ -80,8 +85,12 @@ class Figures:
 
     def served(self) -> int:
         """The fleet's requests answered (the floor's beside them not counted)."""
-        asked = sum(len(samples) for route, samples in self.latencies.items() if route != BESIDE)
-        return asked - sum(n for route, n in self.errors.items() if route != BESIDE)
+        ours = [route for route in self.latencies if not route.startswith(BESIDE)]
+        return sum(len(self.latencies[route]) - self.errors[route] for route in ours)
+
+    def failed(self) -> int:
+        """The fleet's requests not answered (the floor's beside them not counted)."""
+        return sum(n for route, n in self.errors.items() if not route.startswith(BESIDE))
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,7 @@ class Job:
         self, name: str, call: Caller, store: DirectoryStore, plan: Plan, beside: Caller | None
     ) -> None:
         self.name, self.call, self.store, self.plan = name, call, store, plan
-        self.beside = beside  # the floor, asked right after each heartbeat
+        self.beside = beside  # the floor, asked right after each request of PAIRED
         self.step = 0
         self.attempt: dict[str, Any] = {"attempt_id": 0, "epoch": 0}
 
@@ -140,12 +149,16 @@ class Job:
         if self.call.floor_id is None:
             self.attempt = response.json()
         self.call("resumable", "GET", f"/v1/runs/{self.name}/resumable")
+        self._then_the_floor("resumable")
 
     def heartbeat(self) -> None:
         path = f"/v1/attempts/{self.attempt['attempt_id']}/heartbeat"
         self.call("heartbeat", "POST", path, {"step": self.step})
+        self._then_the_floor("heartbeat")
+
+    def _then_the_floor(self, route: str) -> None:
         if self.beside is not None:
-            self.beside(BESIDE, "GET", "")
+            self.beside(f"{BESIDE} {route}", "GET", "")
 
     def save(self) -> None:
         """As the agent saves: the bundle opened, then each rank's blobs asked about and
@@ -268,6 +281,9 @@ def floor_process(
         str(Path(__file__).parent),
     ]
     command += ["--port", str(port), "--workers", str(workers), "--log-level", "warning"]
+    # as ckpt server keeps them: a client idle 5 s (a heartbeat's cadence) would race
+    # uvicorn's default of 5 s (service.settings)
+    command += ["--timeout-keep-alive", str(KEEP_ALIVE_SECONDS)]
     env = {**os.environ, "FLOOR_DATABASE_URL": database_url}
     with serving(command, env=env, cwd=root, log=root / "floor.log", url=url) as process:
         yield url, process
@@ -307,7 +323,7 @@ def report(workers: int, plan: Plan, ckpt: Figures, floor: Figures) -> None:
     print(
         f"\n{workers} worker(s), {plan.jobs} jobs x {plan.ranks} ranks, {plan.seconds:.0f} s: "
         f"ckpt served {ckpt.served() / ckpt.seconds:.1f} requests/s "
-        f"({sum(ckpt.errors.values())} errors), the floor {floor.served() / floor.seconds:.1f}"
+        f"({ckpt.failed()} errors), the floor {floor.served() / floor.seconds:.1f}"
     )
     print(f"  {'route':<14} {'requests':>8} {'errors':>6} {'p50 ms':>8} {'p99 ms':>8}"
           f" {'floor p50':>9} {'floor p99':>9} {'x p50':>6} {'x p99':>6}")  # fmt: skip
@@ -318,13 +334,14 @@ def report(workers: int, plan: Plan, ckpt: Figures, floor: Figures) -> None:
             f"  {route:<14} {len(samples):>8} {ckpt.errors[route]:>6} {c50 * 1e3:8.1f} "
             f"{c99 * 1e3:8.1f} {f50 * 1e3:9.1f} {f99 * 1e3:9.1f} {c50 / f50:6.1f} {c99 / f99:6.1f}"
         )
-    (h50, h99), (b50, b99) = (
-        percentiles(ckpt.latencies["heartbeat"]),
-        percentiles(ckpt.latencies[BESIDE]),
-    )
-    print(f"  heartbeat beside the floor's SELECT sent right after it (the same load): "
-          f"{h50 * 1e3:.1f} / {h99 * 1e3:.1f} ms against {b50 * 1e3:.1f} / {b99 * 1e3:.1f} "
-          f"(p50 / p99): x {h50 / b50:.1f} / {h99 / b99:.1f}")  # fmt: skip
+    for route in PAIRED:
+        (c50, c99), (b50, b99) = (
+            percentiles(ckpt.latencies[route]),
+            percentiles(ckpt.latencies[f"{BESIDE} {route}"]),
+        )
+        print(f"  {route} beside the floor's SELECT sent right after it (the same load): "
+              f"{c50 * 1e3:.1f} / {c99 * 1e3:.1f} ms against {b50 * 1e3:.1f} / {b99 * 1e3:.1f} "
+              f"(p50 / p99): x {c50 / b50:.1f} / {c99 / b99:.1f}")  # fmt: skip
     if ckpt.why:
         for what, n in sorted(ckpt.why.items()):
             print(f"  errors: {what} x {n}, the first: {ckpt.said[what]}")

@@ -36,9 +36,11 @@ class _Entry:
 class TokenCache:
     seconds: float  # 0: nothing is kept
     _entries: dict[str, _Entry] = field(default_factory=dict)
-    # Tokens revoked through this process lately (id: until when), never kept again: a
-    # request that read one just before its revocation committed must not keep it after.
-    _revoked: dict[int, float] = field(default_factory=dict)
+    # When a token was last revoked through this process (``time.monotonic()``, after the
+    # revocation committed): a read of a token that began before then may have found it
+    # unrevoked, however long it then took (a heartbeat's statement waits for its locks),
+    # and is not kept.
+    _revoked_at: float = float("-inf")
 
     def get(self, token_hash: str) -> Principal | None:
         """The principal of a token seen lately, unless its entry lapsed or it expired."""
@@ -52,19 +54,22 @@ class TokenCache:
             return None
         return entry.principal
 
-    def put(self, token_hash: str, principal: Principal, *, expires_at: datetime | None) -> None:
-        now = time.monotonic()
-        if self.seconds <= 0 or self._revoked.get(principal.token_id or 0, now) > now:
+    def put(
+        self, token_hash: str, principal: Principal, *, expires_at: datetime | None, read_at: float
+    ) -> None:
+        """Keep a token read from the catalog, by a read that began at ``read_at``
+        (``time.monotonic()``), for ``seconds`` from then; not if a token was revoked
+        through this process since."""
+        if self.seconds <= 0 or read_at <= self._revoked_at:
             return
         if len(self._entries) >= MAX_ENTRIES:
             self._entries.clear()
-        self._entries[token_hash] = _Entry(now + self.seconds, principal, expires_at)
+        self._entries[token_hash] = _Entry(read_at + self.seconds, principal, expires_at)
 
     def forget(self, token_id: int) -> None:
-        """Drop the token ``token_id`` (revoked): its next use reads the catalog."""
-        now = time.monotonic()
-        self._revoked = {id_: t for id_, t in self._revoked.items() if t > now}
-        self._revoked[token_id] = now + self.seconds
+        """Drop the token ``token_id`` (revoked, committed): its next use reads the catalog,
+        and a read of it still under way is not kept."""
+        self._revoked_at = time.monotonic()
         for token_hash, entry in list(self._entries.items()):
             if entry.principal.token_id == token_id:
                 self._entries.pop(token_hash, None)

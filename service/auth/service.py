@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -74,6 +75,7 @@ class Bearer:
 
     def read(self) -> Principal:
         """The principal of a catalog token, read from the catalog."""
+        read_at = time.monotonic()
         with self.context.read() as session:
             found = repository.find_token(session, token_hash=self.token_hash)
         if found is None:
@@ -83,15 +85,17 @@ class Bearer:
                 f"token {found.id} ({found.name}) expired at {found.expires_at:%Y-%m-%d %H:%M:%S} "
                 "UTC: ask an admin for a new one ('ckpt token create --expires-in ...')"
             )
-        return self.remember(found)
+        return self.remember(found, read_at=read_at)
 
-    def remember(self, found: TokenRow) -> Principal:
-        """The principal of the token's row, read now (unrevoked and unexpired), kept in
-        the cache."""
+    def remember(self, found: TokenRow, *, read_at: float) -> Principal:
+        """The principal of the token's row, found unrevoked and unexpired by a read that
+        began at ``read_at`` (``time.monotonic()``), kept in the cache."""
         principal = Principal(
             name=found.name, role=Role(found.role), run=found.run_name, token_id=found.id
         )
-        self.context.tokens.put(self.token_hash, principal, expires_at=found.expires_at)
+        self.context.tokens.put(
+            self.token_hash, principal, expires_at=found.expires_at, read_at=read_at
+        )
         return principal
 
 

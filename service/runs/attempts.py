@@ -5,6 +5,7 @@ the steps each ended attempt lost."""
 from __future__ import annotations
 
 import logging
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -135,6 +136,7 @@ def _beat_at_once(
         writer = principal.run
     elif principal.role is not Role.ADMIN:
         return None
+    read_at = time.monotonic()  # of the token, when the statement checks it
     with context.read() as session:  # autocommit: the statement is its own transaction
         found = beats.beat_at_once(
             session,
@@ -149,7 +151,7 @@ def _beat_at_once(
         return None
     run, attempt, token_row = found
     if token_row is not None:
-        token.remember(token_row)
+        token.remember(token_row, read_at=read_at)
     _apply_beat(context.metrics, attempt, beat, changes)
     return attempt_out(attempt, run, steps_lost=None)
 

@@ -1,6 +1,6 @@
 """``bench/fleet.py`` still runs: a tiny fleet for a few seconds, against one server process
-and the floor, every route answered without error, and the heartbeats beside the floor's
-SELECT at the same moments."""
+and the floor, every route answered without error, and the heartbeats and `/resumable` beside
+the floor's SELECT at the same moments."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def test_the_fleet_benchmark_runs_and_reports_every_route() -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "(0 errors)" in done.stdout, done.stdout
-    assert "heartbeat beside the floor's SELECT" in done.stdout, done.stdout
+    for route in ("resumable", "heartbeat"):
+        assert f"{route} beside the floor's SELECT" in done.stdout, done.stdout
     for route in ("register", "resumable", "heartbeat", "blobs/missing", "record", "commit"):
         row = re.search(rf"^  {re.escape(route)} +(\d+) +(\d+) ", done.stdout, re.MULTILINE)
         assert row, f"no row for {route}:\n{done.stdout}"

@@ -6,13 +6,15 @@ refuses it, having written nothing."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import event, select
+from sqlalchemy import event, select, text
 
 from service.auth.principal import Principal
 from service.auth.service import hash_token
@@ -20,6 +22,7 @@ from service.models import Attempt, AttemptRank, Role, Run, RunActivity
 from service.runs import beats
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import register, save
+from tests.service.test_attempt_lock_order import HANG_GUARD, waiting_on_locks
 from tests.service.test_token_expiry import expire
 
 TIME = {"restart_seconds": 1.5, "stall_seconds": 0.25, "train_seconds": 30.0, "steps_trained": 12}
@@ -108,6 +111,45 @@ def test_a_token_not_kept_is_checked_in_the_same_statement(postgres: Server, run
     assert postgres.context.tokens.get(hash_token(token)) == Principal(
         name="t", role=Role.RUN, run=run_name, token_id=created.json()["id"]
     )
+
+
+def test_a_token_revoked_while_its_heartbeat_waits_is_not_kept(
+    postgres: Server, run_name: str
+) -> None:
+    """The statement finds the token as it was when the statement began. One revoked through
+    the process while the statement waits for the attempt's lock is answered (it was asked
+    before the revocation) and not kept after: its next request is refused."""
+    with postgres.client() as admin:
+        attempt = register(admin, run_name)
+        created = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "w"})
+    token = created.json()["token"]
+    beat = f"/v1/attempts/{attempt['attempt_id']}/heartbeat"
+    answers: list[httpx.Response] = []
+
+    def send() -> None:
+        with postgres.client(token) as trainer:
+            answers.append(trainer.post(beat, json={"step": 1}, timeout=HANG_GUARD))
+
+    engine = postgres.context.engine
+    with engine.connect() as holder, engine.connect() as watcher:
+        holder.execute(
+            text("SELECT id FROM attempt WHERE id = :id FOR UPDATE"), {"id": attempt["attempt_id"]}
+        )
+        sending = threading.Thread(target=send)
+        sending.start()
+        deadline = time.monotonic() + HANG_GUARD
+        while waiting_on_locks(watcher) < 1:  # the heartbeat waits for the attempt
+            assert time.monotonic() < deadline, "the heartbeat never waited for the attempt"
+            time.sleep(0.02)
+            watcher.rollback()
+        with postgres.client() as admin:
+            admin.delete(f"/v1/tokens/{created.json()['id']}").raise_for_status()
+        holder.rollback()
+        sending.join(HANG_GUARD)
+    assert [answer.status_code for answer in answers] == [200]
+    assert postgres.context.tokens.get(hash_token(token)) is None
+    with postgres.client(token) as trainer:
+        assert trainer.post(beat, json={"step": 2}).status_code == 401
 
 
 def written(server: Server, run: str) -> dict[str, Any]:
@@ -219,6 +261,8 @@ def test_what_its_checks_turn_away_is_refused_as_before_and_writes_nothing(
             assert said in answer.json()["message"], answer.text
         with postgres.client(token) as client:
             assert client.post("/v1/attempts/999999999/heartbeat", json={}).status_code == 404
+        with postgres.client("no-such-token") as client:  # who, before what
+            assert client.post("/v1/attempts/999999999/heartbeat", json={}).status_code == 401
         assert written(postgres, run_name) == before
         register(admin, run_name)  # fences the old attempt
         fenced = written(postgres, run_name)

@@ -99,22 +99,30 @@ def test_the_cache_forgets_lapsed_revoked_and_overflowing_entries(
     now = [100.0]
     monkeypatch.setattr("service.auth.cache.time.monotonic", lambda: now[0])
     tokens = TokenCache(seconds=2)
-    tokens.put("a", principal(1), expires_at=None)
-    tokens.put("b", principal(2), expires_at=None)
+    tokens.put("a", principal(1), expires_at=None, read_at=100.0)
+    tokens.put("b", principal(2), expires_at=None, read_at=100.0)
     assert tokens.get("a") == principal(1) and tokens.get("c") is None
+    now[0] = 101.0
     tokens.forget(1)
     assert tokens.get("a") is None and tokens.get("b") == principal(2)
-    tokens.put("a", principal(1), expires_at=None)  # read before the revocation committed
+    # A read that began before the revocation committed, done after it: not kept, however
+    # late it comes (a heartbeat's statement may wait for its locks longer than an entry
+    # lives).
+    tokens.put("a", principal(1), expires_at=None, read_at=100.5)
     assert tokens.get("a") is None
-    now[0] += 2
-    assert tokens.get("b") is None
-    tokens.put("a", principal(1), expires_at=None)  # the window closed: kept as any other
+    now[0] = 110.0
+    tokens.put("a", principal(1), expires_at=None, read_at=100.9)
+    assert tokens.get("a") is None
+    assert tokens.get("b") is None  # lapsed: 2 s from its read
+    tokens.put("a", principal(1), expires_at=None, read_at=109.0)  # read since: kept
     assert tokens.get("a") == principal(1)
+    now[0] = 111.0  # an entry lives 2 s from its read, not from when it was kept
+    assert tokens.get("a") is None
     monkeypatch.setattr(cache, "MAX_ENTRIES", 3)
     tokens = TokenCache(seconds=2)
     for token_id in range(4):
-        tokens.put(str(token_id), principal(token_id), expires_at=None)
+        tokens.put(str(token_id), principal(token_id), expires_at=None, read_at=now[0])
     assert [tokens.get(str(i)) is not None for i in range(4)] == [False, False, False, True]
     off = TokenCache(seconds=0)
-    off.put("a", principal(1), expires_at=None)
+    off.put("a", principal(1), expires_at=None, read_at=now[0])
     assert off.get("a") is None
