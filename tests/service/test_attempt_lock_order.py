@@ -33,6 +33,15 @@ def waiting_on_locks(watcher: Connection) -> int:
     return count
 
 
+def wait_until_one_waits(watcher: Connection, who: str) -> None:
+    """Until a session of the database (but the watcher's) waits for a lock."""
+    deadline = time.monotonic() + HANG_GUARD
+    while waiting_on_locks(watcher) < 1:
+        assert time.monotonic() < deadline, f"{who} never waited for the row"
+        time.sleep(0.02)
+        watcher.rollback()
+
+
 def run_locked_while_waiting(
     engine: Engine, *, hold: str, row: int, run_name: str, send: Callable[[], httpx.Response]
 ) -> httpx.Response:
@@ -44,11 +53,7 @@ def run_locked_while_waiting(
         holder.execute(text(hold), {"id": row})
         sending = threading.Thread(target=lambda: answers.append(send()))
         sending.start()
-        deadline = time.monotonic() + HANG_GUARD
-        while waiting_on_locks(watcher) < 1:  # the request waits for the row
-            assert time.monotonic() < deadline, "the request never waited for the row"
-            time.sleep(0.02)
-            watcher.rollback()
+        wait_until_one_waits(watcher, "the request")
         with pytest.raises(OperationalError, match="could not obtain lock"):
             probe.execute(
                 text("SELECT id FROM run WHERE name = :name FOR UPDATE NOWAIT"), {"name": run_name}

@@ -7,7 +7,6 @@ refuses it, having written nothing."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +21,7 @@ from service.models import Attempt, AttemptRank, Role, Run, RunActivity
 from service.runs import beats
 from tests.service.conftest import MakeServer, Server
 from tests.service.helpers import register, save
-from tests.service.test_attempt_lock_order import HANG_GUARD, waiting_on_locks
+from tests.service.test_attempt_lock_order import HANG_GUARD, wait_until_one_waits
 from tests.service.test_token_expiry import expire
 
 TIME = {"restart_seconds": 1.5, "stall_seconds": 0.25, "train_seconds": 30.0, "steps_trained": 12}
@@ -137,11 +136,7 @@ def test_a_token_revoked_while_its_heartbeat_waits_is_not_kept(
         )
         sending = threading.Thread(target=send)
         sending.start()
-        deadline = time.monotonic() + HANG_GUARD
-        while waiting_on_locks(watcher) < 1:  # the heartbeat waits for the attempt
-            assert time.monotonic() < deadline, "the heartbeat never waited for the attempt"
-            time.sleep(0.02)
-            watcher.rollback()
+        wait_until_one_waits(watcher, "the heartbeat")  # for the attempt
         with postgres.client() as admin:
             admin.delete(f"/v1/tokens/{created.json()['id']}").raise_for_status()
         holder.rollback()
