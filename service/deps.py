@@ -73,7 +73,7 @@ class Priority:
         """``work(context, principal)`` in a priority thread."""
 
         def authenticated() -> T:
-            return work(self.context, self.token.cached() or self.token.read())
+            return work(self.context, self.token.principal())
 
         return await anyio.to_thread.run_sync(authenticated, limiter=self.threads)
 

@@ -38,8 +38,7 @@ def authenticate(
     """The principal behind an ``Authorization: Bearer ...`` header: one of the configured
     ``admin_tokens``, or an unexpired token of the catalog (``context.tokens`` keeps those
     seen lately: ``service.auth.cache``)."""
-    bearer = Bearer(context, authorization, admin_tokens)
-    return bearer.cached() or bearer.read()
+    return Bearer(context, authorization, admin_tokens).principal()
 
 
 @dataclass
@@ -66,6 +65,10 @@ class Bearer:
     @functools.cached_property
     def token_hash(self) -> str:
         return hash_token(self.token)
+
+    def principal(self) -> Principal:
+        """The principal behind the token: kept, or read."""
+        return self.cached() or self.read()
 
     def cached(self) -> Principal | None:
         """The principal if it takes no read of the catalog; None if it does."""

@@ -67,10 +67,16 @@ def round_trips(server: Server) -> Iterator[list[int]]:
         event.remove(engine, "begin", begun)
 
 
-def run_token(client: httpx.Client, run: str) -> str:
-    answer = client.post("/v1/tokens", json={"role": "run", "run": run, "name": "trainer"})
+def created_token(client: httpx.Client, run: str, name: str = "trainer") -> dict[str, Any]:
+    """A new run token of ``run``, as ``POST /v1/tokens`` answered (its ``id``, ``token``)."""
+    answer = client.post("/v1/tokens", json={"role": "run", "run": run, "name": name})
     assert answer.status_code == 201, answer.text
-    return str(answer.json()["token"])
+    created: dict[str, Any] = answer.json()
+    return created
+
+
+def run_token(client: httpx.Client, run: str) -> str:
+    return str(created_token(client, run)["token"])
 
 
 def test_a_plain_heartbeat_is_one_round_trip(postgres: Server, run_name: str) -> None:
@@ -99,8 +105,8 @@ def test_a_token_not_kept_is_checked_in_the_same_statement(postgres: Server, run
     not two) and the process keeps it after, as if it had read it."""
     with postgres.client() as admin:
         attempt = register(admin, run_name)
-        created = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "t"})
-        token = created.json()["token"]
+        created = created_token(admin, run_name, "t")
+        token = created["token"]
     beat = f"/v1/attempts/{attempt['attempt_id']}/heartbeat"
     assert postgres.context.tokens.get(hash_token(token)) is None
     with postgres.client(token) as trainer, round_trips(postgres) as counted:
@@ -108,7 +114,7 @@ def test_a_token_not_kept_is_checked_in_the_same_statement(postgres: Server, run
     assert answer.status_code == 200, answer.text
     assert counted == [1]
     assert postgres.context.tokens.get(hash_token(token)) == Principal(
-        name="t", role=Role.RUN, run=run_name, token_id=created.json()["id"]
+        name="t", role=Role.RUN, run=run_name, token_id=created["id"]
     )
 
 
@@ -120,8 +126,8 @@ def test_a_token_revoked_while_its_heartbeat_waits_is_not_kept(
     before the revocation) and not kept after: its next request is refused."""
     with postgres.client() as admin:
         attempt = register(admin, run_name)
-        created = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "w"})
-    token = created.json()["token"]
+        created = created_token(admin, run_name, "w")
+    token = created["token"]
     beat = f"/v1/attempts/{attempt['attempt_id']}/heartbeat"
     answers: list[httpx.Response] = []
 
@@ -138,7 +144,7 @@ def test_a_token_revoked_while_its_heartbeat_waits_is_not_kept(
         sending.start()
         wait_until_one_waits(watcher, "the heartbeat")  # for the attempt
         with postgres.client() as admin:
-            admin.delete(f"/v1/tokens/{created.json()['id']}").raise_for_status()
+            admin.delete(f"/v1/tokens/{created['id']}").raise_for_status()
         holder.rollback()
         sending.join(HANG_GUARD)
     assert [answer.status_code for answer in answers] == [200]
@@ -235,18 +241,18 @@ def test_what_its_checks_turn_away_is_refused_as_before_and_writes_nothing(
         token = run_token(admin, run_name)
         other = run_token(admin, f"{run_name}-other")
         reader = admin.post("/v1/tokens", json={"role": "read", "name": "r"}).json()["token"]
-        revoked = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "v"})
-        admin.delete(f"/v1/tokens/{revoked.json()['id']}").raise_for_status()
-        expired = admin.post("/v1/tokens", json={"role": "run", "run": run_name, "name": "e"})
-        expire(postgres, expired.json()["id"])
+        revoked = created_token(admin, run_name, "v")
+        admin.delete(f"/v1/tokens/{revoked['id']}").raise_for_status()
+        expired = created_token(admin, run_name, "e")
+        expire(postgres, expired["id"])
         admin.post(f"/v1/attempts/{old['attempt_id']}/heartbeat", json={"step": 4})
         before = written(postgres, run_name)
         beat = f"/v1/attempts/{old['attempt_id']}/heartbeat"
         for who, body, status, said in [
             (other, {"step": 5}, 403, "may not write run"),  # a token of another run
             (reader, {"step": 5}, 403, "read-only"),
-            (revoked.json()["token"], {"step": 5}, 401, "unknown or revoked token"),
-            (expired.json()["token"], {"step": 5}, 401, "expired at"),
+            (revoked["token"], {"step": 5}, 401, "unknown or revoked token"),
+            (expired["token"], {"step": 5}, 401, "expired at"),
             ("no-such-token", {"step": 5}, 401, "unknown or revoked token"),
             (token, {"step": 5000}, 422, "CKPT_MAX_STEP_ADVANCE"),  # too far ahead
         ]:
